@@ -1,0 +1,111 @@
+"""Configuration objects: the model's shape (read from a Hugging Face config.json) and engine knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+PreemptionMode = Literal["recompute", "swap"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. Built from a Hugging Face `config.json` dict."""
+
+    architecture: str  # e.g. "LlamaForCausalLM", "Qwen3ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+        if architecture not in supported:
+            raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(supported)}")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_scaling = hf.get("rope_scaling")
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:  # transformers >= 5 nests theta inside rope_parameters
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        if rope_scaling is None and hf.get("rope_parameters"):
+            params = hf["rope_parameters"]
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        return cls(
+            architecture=architecture,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+        )
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. Units are in the field names or comments; defaults favour throughput."""
+
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # sequences in the running batch at once
+    max_num_batched_tokens: int = 8192  # tokens (prefill chunks + decodes) computed in one step
+    max_model_len: int | None = None  # tokens per sequence; None = the model's max_position_embeddings
+    kv_cache_memory: int = 4 * 1024**3  # bytes of KV cache on CPU
+    gpu_memory_utilization: float = 0.90  # fraction of GPU memory the engine may use in total (CUDA)
+    num_kv_blocks: int | None = None  # overrides both memory budgets: exact number of KV blocks
+    preemption_mode: PreemptionMode = "recompute"
+    enable_chunked_prefill: bool = True
+    seed: int = 0  # seeds requests that do not carry their own seed
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap":
+            raise NotImplementedError("swap preemption is not implemented yet; use preemption_mode='recompute'")
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' picks bfloat16: CPUs with AMX and all recent GPUs run it fastest."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+             "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
+    return names[dtype]

@@ -1,0 +1,74 @@
+"""Per-request sampling parameters, validated at construction so bad values fail before scheduling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request. Field semantics follow vLLM / the OpenAI API.
+
+    temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1.0 and min_p 0.0 disable
+    those filters. Penalties at their neutral values (1.0 repetition, 0.0 presence/frequency) cost
+    nothing. `seed` makes sampling reproducible regardless of which other requests share the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        require(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        require(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        require(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        require(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        require(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        require(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
+        require(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        require(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        require(
+            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        )
+        require(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+        require(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
