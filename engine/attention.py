@@ -1,0 +1,65 @@
+"""The attention seam: what the model hands to attention each layer, and the backends behind it.
+
+The model computes q/k/v; a backend writes the new k/v into the paged cache and attends through
+the block tables. The torch backend is the CPU path and the reference the Triton kernels are
+tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kernels.paged_attention import paged_attention_reference, write_kv_cache_reference
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer."""
+
+    query_start_loc: list[int]  # [B + 1] host copy: sequence i owns query rows [qsl[i], qsl[i+1])
+    seq_lens: list[int]  # [B] host copy: context length after this step's tokens
+    query_start_loc_tensor: torch.Tensor  # [B + 1] int32 on the device
+    seq_lens_tensor: torch.Tensor  # [B] int32 on the device
+    block_tables: torch.Tensor  # [B, max_blocks] int32 on the device, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64 on the device: cache slot of each new token
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionBackend(Protocol):
+    def __call__(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
+
+
+class TorchAttention:
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)
+        return paged_attention_reference(
+            query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale
+        )
+
+
+def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name in ("auto", "torch"):
+        return TorchAttention()
+    raise ValueError(f"unknown attention backend {name!r}; available: 'auto', 'torch'")

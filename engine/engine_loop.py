@@ -1,0 +1,177 @@
+"""A thread-safe front for LLMEngine: one thread steps the engine while others submit and abort.
+
+Only the loop thread touches the engine. Other threads hand it commands through a queue guarded
+by a condition variable, so a submit never waits for a step to finish, and the loop sleeps only
+when there is nothing at all to do. This is how one GPU worker feeds a single engine from many
+concurrent tasks, keeping the running batch full across task boundaries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+_END_OF_STREAM = None
+
+
+class RequestHandle:
+    """What `submit` returns: `result()` blocks for the final output; iterating yields snapshots
+    as tokens arrive (streaming requests) and ends with the final one."""
+
+    def __init__(self, request_id: str, stream: bool) -> None:
+        self.request_id = request_id
+        self.future: Future[RequestOutput] = Future()
+        self._stream: queue.Queue[RequestOutput | None] | None = queue.Queue() if stream else None
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        return self.future.result(timeout)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        if self._stream is None:
+            yield self.result()
+            return
+        while (item := self._stream.get()) is not _END_OF_STREAM:
+            yield item
+        self.future.result()  # re-raises if the request failed
+
+    def _publish(self, output: RequestOutput) -> None:
+        if self._stream is not None:
+            self._stream.put(output)
+        if output.finished:
+            self._close()
+            self.future.set_result(output)
+
+    def _fail(self, error: BaseException) -> None:
+        self._close()
+        self.future.set_exception(error)
+
+    def _close(self) -> None:
+        if self._stream is not None:
+            self._stream.put(_END_OF_STREAM)
+
+
+@dataclass(frozen=True)
+class _Submit:
+    handle: RequestHandle
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: list[_Submit | _Abort] = []
+        self._wakeup = threading.Condition()
+        self._handles: dict[str, RequestHandle] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Abort whatever is still in flight (callers get finish_reason 'abort') and join the thread."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._thread.join()
+
+    def __enter__(self) -> "EngineLoop":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        stream: bool = False,
+    ) -> RequestHandle:
+        handle = RequestHandle(request_id or f"loop-{next(self._ids)}", stream)
+        with self._wakeup:
+            if self._stopping:
+                raise RuntimeError("the engine loop is stopped")
+            self._commands.append(_Submit(handle, list(prompt_token_ids), params, priority))
+            self._wakeup.notify()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        with self._wakeup:
+            self._commands.append(_Abort(request_id))
+            self._wakeup.notify()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._handles)
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._commands and not self.engine.has_unfinished_requests() and not self._stopping:
+                    self._wakeup.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            for command in commands:
+                self._apply(command)
+            if stopping:
+                for request_id in list(self._handles):
+                    self._apply(_Abort(request_id))
+                return
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _apply(self, command: _Submit | _Abort) -> None:
+        if isinstance(command, _Abort):
+            output = self.engine.abort_request(command.request_id)
+            handle = self._handles.pop(command.request_id, None)
+            if handle is not None and output is not None:
+                handle._publish(output)
+            return
+        handle = command.handle
+        try:
+            self.engine.add_request(
+                handle.request_id, command.prompt_token_ids, command.params, command.priority, stream=handle._stream is not None
+            )
+        except ValueError as error:
+            handle._fail(error)
+            return
+        self._handles[handle.request_id] = handle
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # a failed step must not hang every caller: fail them all
+            for request_id, handle in list(self._handles.items()):
+                self.engine.abort_request(request_id)
+                handle._fail(error)
+            self._handles.clear()
+            return
+        for output in outputs:
+            handle = self._handles.get(output.request_id)
+            if handle is None:
+                continue
+            if output.finished:
+                del self._handles[output.request_id]
+            handle._publish(output)

@@ -1,0 +1,39 @@
+"""The paged KV cache: per layer one preallocated [num_blocks, block_size, kv_heads, head_dim] tensor
+for K and one for V, sized from a memory budget."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * element_size
+
+
+def num_kv_blocks(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """Blocks that fit the budget: `kv_cache_memory` bytes on CPU; on CUDA, what is left of
+    `gpu_memory_utilization` x total memory after the weights (and whatever else is resident)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * config.gpu_memory_utilization) - used
+    else:
+        budget = config.kv_cache_memory
+    blocks = budget // bytes_per_block(model, config.block_size, dtype)
+    if blocks < 1:
+        raise ValueError(f"the KV cache budget ({budget} bytes) does not hold a single block")
+    return blocks
+
+
+def allocate_kv_cache(
+    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # torch.empty: on CPU the OS only backs pages that get written, so a large budget costs
+    # nothing until it is used.
+    shape = (2, num_blocks, block_size, model.num_key_value_heads, model.head_dim)
+    return [tuple(torch.empty(shape, dtype=dtype, device=device).unbind(0)) for _ in range(model.num_hidden_layers)]

@@ -1,0 +1,103 @@
+"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(conversations, params)`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+from tqdm import tqdm
+
+from engine.llm_engine import LLMEngine
+from engine.model_registry import DEFAULT_MODEL
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        load_format: str = "auto",
+        **engine_options: object,
+    ) -> None:
+        self.engine = LLMEngine(model, dtype=dtype, device=device, load_format=load_format, **engine_options)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise ValueError(f"model {self.engine.model_name!r} has no tokenizer; pass token ids")
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None:
+            params = SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+
+        ids: list[str] = []
+        texts: dict[str, str | None] = {}
+        for prompt, p, prio in zip(prompts, params_list, priorities):
+            request_id = str(self._next_id)
+            self._next_id += 1
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.engine.add_request(request_id, token_ids, p, priority=prio)
+            ids.append(request_id)
+            texts[request_id] = prompt if isinstance(prompt, str) else None
+        return self._run(ids, texts, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        token_lists = [
+            self.tokenizer.encode(self.tokenizer.apply_chat_template(list(c)), add_special_tokens=False)
+            for c in conversations
+        ]
+        return self.generate(token_lists, params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], texts: dict[str, str | None], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm, file=sys.stderr)
+        generated = 0
+        while len(done) < len(ids):
+            for output in self.engine.step():
+                if output.finished:
+                    output.prompt = texts.get(output.request_id)
+                    done[output.request_id] = output
+                    generated += sum(len(c.token_ids) for c in output.outputs)
+                    bar.update(1)
+                    bar.set_postfix(output_tokens=generated, refresh=False)
+        bar.close()
+        return [done[i] for i in ids]

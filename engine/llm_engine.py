@@ -1,0 +1,292 @@
+"""LLMEngine: owns the model, KV cache, scheduler and requests; `step()` runs one iteration.
+
+    out = scheduler.schedule()
+    sampled = runner.execute(out, rows)
+    scheduler.update(out, sampled)   then finish checks (eos / stop ids / stop strings / length)
+
+Single-threaded by design; `EngineLoop` drives it from its own thread for concurrent callers.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig, resolve_dtype
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import allocate_kv_cache, num_kv_blocks
+from engine.loader import init_dummy_weights, iter_safetensors
+from engine.model_registry import DEFAULT_MODEL, resolve_model
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaForCausalLM
+from engine.attention import select_attention_backend
+from engine.outputs import CompletionOutput, FinishReason, RequestOutput
+from engine.sampler import SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _SampleState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None  # only when text is needed before the end
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float = 0.0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    samples: list[_SampleState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        load_format: str = "auto",
+        **engine_options: object,
+    ) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        self.config = EngineConfig(**engine_options)  # type: ignore[arg-type]
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype, self.device)
+
+        source = resolve_model(model, load_format)
+        self.model_name = source.name
+        self.model_config = ModelConfig.from_hf(source.hf_config)
+        has_tokenizer = source.path is not None and (source.path / "tokenizer.json").exists()
+        self.tokenizer: Tokenizer | None = Tokenizer.from_folder(source.path) if has_tokenizer else None
+        eos = self.model_config.eos_token_ids
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        self.eos_token_ids: tuple[int, ...] = eos
+
+        self.model = self._build_model(source.load_format, source.path)
+        num_blocks = num_kv_blocks(self.model_config, self.config, self.device, self.dtype)
+        kv_caches = allocate_kv_cache(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, self.device)
+        self.max_model_len = min(
+            self.config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            num_blocks * self.config.block_size,
+        )
+
+        self._requests: dict[str, _Request] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._sample_of: dict[int, _SampleState] = {}
+        self._next_seq_id = 0
+        self._arrivals = 0
+        self._seed_rng = random.Random(self.config.seed)
+
+    def _build_model(self, load_format: str, path: object) -> LlamaForCausalLM:
+        backend = select_attention_backend(self.config.attention_backend, self.device)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(self.model_config, backend).to(self.dtype)
+        if load_format == "dummy":
+            init_dummy_weights(model, seed=self.config.seed)
+        else:
+            model.load_weights(iter_safetensors(path))  # type: ignore[arg-type]
+        # The rotary tables stay float32 whatever the weights' dtype: positions need the precision.
+        model.model.rotary.float()
+        return model.eval()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        stream: bool = False,
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._validate_prompt(prompt_token_ids)
+        request = _Request(request_id, list(prompt_token_ids), params, stream)
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        arrival = self._arrivals
+        self._arrivals += 1
+        for index in range(params.n):
+            seq = Sequence(
+                seq_id=self._next_seq_id,
+                request_id=request_id,
+                sample_index=index,
+                prompt_token_ids=request.prompt_token_ids,
+                params=params,
+                seed=base_seed + index,
+                priority=priority,
+                arrival_order=arrival,
+            )
+            self._next_seq_id += 1
+            needs_text_early = bool(params.stop) or stream
+            if needs_text_early and self.tokenizer is None:
+                raise ValueError("stop strings and streaming text need a tokenizer; this model has none")
+            state = _SampleState(
+                seq=seq,
+                detokenizer=(
+                    IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output)
+                    if needs_text_early and self.tokenizer is not None
+                    else None
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            request.samples.append(state)
+            self._seqs[seq.seq_id] = seq
+            self._sample_of[seq.seq_id] = state
+            self.scheduler.add(seq)
+        self._requests[request_id] = request
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} "
+                "tokens and at least one must be left for the completion"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks are freed. Returns its final output, or None if unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        for state in request.samples:
+            if state.finish_reason is None:
+                state.finish_reason = "abort"
+                self._release(state.seq)
+        return self._finalize(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration. Returns outputs of requests that finished, plus snapshots of streaming ones."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampling = [self._seqs[item.seq_id] for item in out.scheduled if item.needs_sample]
+        rows = [
+            SamplingRow(
+                params=seq.params,
+                seed=seq.seed,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+                eos_token_ids=self.eos_token_ids,
+            )
+            for seq in sampling
+        ]
+        result = self.runner.execute(out, rows)
+        if result is None:
+            self.scheduler.update(out, {}, self._seqs)
+            return []
+        token_ids = result.token_ids.tolist()
+        token_logprobs = result.logprobs.tolist()
+        top = (result.top_logprobs[0].tolist(), result.top_logprobs[1].tolist()) if result.top_logprobs else None
+        self.scheduler.update(out, {seq.seq_id: tok for seq, tok in zip(sampling, token_ids)}, self._seqs)
+
+        touched: dict[str, _Request] = {}
+        for row, (seq, token) in enumerate(zip(sampling, token_ids)):
+            state = self._sample_of[seq.seq_id]
+            state.cumulative_logprob += token_logprobs[row]
+            if state.logprobs is not None:
+                entry = {token: token_logprobs[row]}
+                if top is not None:
+                    wanted = seq.params.logprobs or 0
+                    entry.update(zip(top[0][row][:wanted], top[1][row][:wanted]))
+                state.logprobs.append(entry)
+            self._check_finish(state, token)
+            touched[seq.request_id] = self._requests[seq.request_id]
+
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                outputs.append(self._finalize(request))
+            elif request.stream:
+                outputs.append(self._snapshot(request))
+        return outputs
+
+    def _check_finish(self, state: _SampleState, token: int) -> None:
+        seq, params = state.seq, state.seq.params
+        num_output = len(seq.output_token_ids)
+        stop_string = state.detokenizer.append(token) if state.detokenizer is not None else None
+        if num_output >= params.min_tokens:
+            if token in params.stop_token_ids:
+                state.finish_reason, state.stop_reason = "stop", token
+            elif token in self.eos_token_ids and not params.ignore_eos:
+                state.finish_reason = "stop"
+            elif stop_string is not None:
+                state.finish_reason, state.stop_reason = "stop", stop_string
+        if state.finish_reason is None and (
+            (params.max_tokens is not None and num_output >= params.max_tokens) or seq.num_tokens >= self.max_model_len
+        ):
+            state.finish_reason = "length"
+        if state.finish_reason is not None:
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        del self._seqs[seq.seq_id]
+        del self._sample_of[seq.seq_id]
+
+    def _completion(self, state: _SampleState) -> CompletionOutput:
+        seq = state.seq
+        if state.detokenizer is not None:
+            text = state.detokenizer.text
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids)
+        else:
+            text = ""
+        return CompletionOutput(
+            index=seq.sample_index,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            cumulative_logprob=state.cumulative_logprob,
+        )
+
+    def _snapshot(self, request: _Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[self._completion(s) for s in request.samples],
+            finished=request.finished,
+        )
+
+    def _finalize(self, request: _Request) -> RequestOutput:
+        del self._requests[request.request_id]
+        return self._snapshot(request)

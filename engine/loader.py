@@ -1,0 +1,41 @@
+"""Where a model's weights come from: a folder of safetensors files, or deterministic random numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+DUMMY_WEIGHT_STD = 0.02  # small enough that 30+ layers of residual sums stay far inside bf16's range
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every `*.safetensors` file in `folder`, one at a time, read from a memory map."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                yield name, checkpoint.get_tensor(name)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill `model` with N(0, 0.02) matrices and embeddings, 1.0 norm weights and zero biases.
+
+    Numbers are drawn on each parameter's own device (fast for multi-billion-parameter shapes), so a seed gives
+    the same weights on every run on the same kind of device.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.ndim >= 2:
+                if parameter.device not in generators:
+                    generators[parameter.device] = torch.Generator(device=parameter.device).manual_seed(seed)
+                parameter.normal_(0.0, DUMMY_WEIGHT_STD, generator=generators[parameter.device])
+            elif name.endswith("bias"):
+                parameter.zero_()
+            else:  # a 1-D weight in these models is a norm's scale
+                parameter.fill_(1.0)

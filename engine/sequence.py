@@ -1,0 +1,50 @@
+"""A sequence: one sample of one request, the unit the scheduler and block manager work with."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    sample_index: int  # which of the request's n samples this is
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # drives sampling; the same seed gives the same tokens whatever the batch mates
+    priority: int = 0  # lower value = scheduled first (vLLM's convention)
+    arrival_order: int = 0  # FCFS tie-break; kept across preemption so a victim keeps its place
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: SequenceStatus = SequenceStatus.WAITING
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if stop <= prompt_len:
+            return self.prompt_token_ids[start:stop]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : stop - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
+
+    @property
+    def schedule_key(self) -> tuple[int, int]:
+        """Sort key: smaller runs earlier; the largest key is the first preemption victim."""
+        return (self.priority, self.arrival_order)

@@ -1,0 +1,254 @@
+"""Paged prefill / extend attention for chunked prefill, varlen, in one launch.
+
+The batch is flat: sequence i owns query rows `[query_start_loc[i], query_start_loc[i+1])` of q, and
+`seq_lens[i]` counts its whole context including this chunk, whose K/V are already in the cache.
+Query row j of a q_len-row chunk sits at position seq_len - q_len + j and attends causally to cache
+positions [0, that position]; every key, cached prefix and new chunk alike, is read through the
+block table.
+
+Work is cut into query tiles of BLOCK_Q tokens of one sequence, numbered across the batch without
+padding: sequence i's tiles start at `query_start_loc[i] // BLOCK_Q + i`, so the grid needs only
+`T // BLOCK_Q + B` tiles whatever the mix of lengths (a program finds its sequence by binary search;
+the few tiles past a sequence's end exit at once). A tile's rows are its BLOCK_Q tokens times the
+query heads of one kv head (GQA), so each K/V tile is loaded once for the whole group.
+
+Layout: see kernels/kv_cache_write.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.triton_utils import (
+    dot_in_fp32,
+    interpreter_enabled,
+    matmul,
+    next_power_of_2,
+    require_triton,
+    tl,
+    triton,
+)
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,
+    num_seqs,
+    group_size,
+    head_dim,
+    block_q,
+    q_stride_token,
+    q_stride_head,
+    out_stride_token,
+    out_stride_head,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    block_tables_stride,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """Program (query tile, kv head). Row r of the tile is token r // group_size of the tile and
+    query head kv_head * group_size + r % group_size; block_q = BLOCK_M // group_size."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # The last sequence whose first tile is at or before this one.
+    low = 0
+    high = num_seqs
+    while low < high:
+        middle = (low + high) // 2
+        if tl.load(query_start_loc_ptr + middle) // block_q + middle <= tile:
+            low = middle + 1
+        else:
+            high = middle
+    seq = low - 1
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first_query = (tile - (q_start // block_q + seq)) * block_q
+    if first_query >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < head_dim
+    query_index = first_query + rows // group_size
+    heads = kv_head * group_size + rows % group_size
+    row_valid = (rows < block_q * group_size) & (query_index < q_len)
+    query_positions = context_len + query_index
+    tokens = (q_start + query_index).to(tl.int64)
+    q = tl.load(
+        q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
+        mask=row_valid[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    # Keys up to the tile's last query position; the causal mask trims the rest per row.
+    kv_end = context_len + tl.minimum(first_query + block_q, q_len)
+    for tile_start in range(0, kv_end, BLOCK_N):
+        key_positions = tile_start + tl.arange(0, BLOCK_N)
+        key_valid = key_positions < kv_end
+        block_ids = tl.load(block_table + key_positions // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        token_offsets = (
+            block_ids * cache_stride_block
+            + (key_positions % BLOCK_SIZE) * cache_stride_offset
+            + kv_head * cache_stride_head
+        )
+        kv_offsets = token_offsets[:, None] + dims[None, :]
+        kv_mask = key_valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+
+        scores = matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2
+        visible = key_valid[None, :] & (key_positions[None, :] <= query_positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # Key 0 is visible to every row (positions are >= 0) and sits in the first tile, so the
+        # running max is finite from the first iteration on and alpha never sees -inf - -inf.
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        probs = tl.exp2(scores - new_max[:, None])
+        alpha = tl.exp2(running_max - new_max)
+        running_sum = running_sum * alpha + tl.sum(probs, 1)
+        acc = acc * alpha[:, None] + matmul(probs, v, DOT_IN_FP32)
+        running_max = new_max
+
+    out = acc / running_sum[:, None]
+    tl.store(
+        out_ptr + tokens[:, None] * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_mask[None, :],
+    )
+
+
+def _tile_rows(group_size: int, max_query_len: int) -> int:
+    """BLOCK_M: tall enough for the longest chunk's queries times the group, up to a cap (64 on
+    a GPU, 32 under the interpreter to keep it quick), and at least 16 for tl.dot."""
+    cap = 32 if interpreter_enabled() else 64
+    wanted = min(cap, max(16, next_power_of_2(max_query_len * group_size)))
+    return max(wanted, next_power_of_2(group_size))
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32, context length including this chunk
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
+) -> torch.Tensor:
+    """Triton launcher. `max_query_len` (the longest chunk, known on the host) sizes the query
+    tiles, so a batch of short chunks does not pay for tall tiles. Rows of q past
+    query_start_loc[-1] are not written."""
+    require_triton()
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"query_start_loc {tuple(query_start_loc.shape)} / block_tables {tuple(block_tables.shape)}"
+            f" vs {num_seqs} sequences"
+        )
+    if out is None:
+        out = torch.empty_like(q)
+    if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("head_dim (and the block table rows) must be contiguous")
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+
+    group_size = num_heads // num_kv_heads
+    block_m = _tile_rows(group_size, max_query_len)
+    block_q = block_m // group_size
+    if interpreter_enabled():
+        block_n = 16
+    else:
+        block_n = 64 if head_dim <= 128 else 32
+    num_tiles = num_tokens // block_q + num_seqs
+    _prefill_attention_kernel[(num_tiles, num_kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale * math.log2(math.e),
+        num_seqs,
+        group_size,
+        head_dim,
+        block_q,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM_PAD=next_power_of_2(head_dim),
+        DOT_IN_FP32=dot_in_fp32(k_cache.dtype),
+        num_warps=4,
+    )
+    return out
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, num_kv_heads, head_dim]: one sequence's cache rows, read through its block table."""
+    num_blocks = -(-length // cache.shape[1])
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+
+
+def prefill_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-torch `prefill_attention`, one sequence at a time, in float32. Rows of q past
+    query_start_loc[-1] come back uninitialized."""
+    group_size = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        rows = slice(starts[seq], starts[seq + 1])
+        q_len = starts[seq + 1] - starts[seq]
+        if q_len == 0:
+            continue
+        keys = _gather_context(k_cache, block_tables[seq], seq_len).float().repeat_interleave(group_size, dim=1)
+        values = _gather_context(v_cache, block_tables[seq], seq_len).float().repeat_interleave(group_size, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * scale
+        query_positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        hidden = torch.arange(seq_len, device=q.device)[None, :] > query_positions[:, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+    return out

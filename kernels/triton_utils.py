@@ -1,0 +1,79 @@
+"""What the Triton kernel modules share: the optional `triton` import and launch-time helpers.
+
+Triton is an optional dependency, so every kernel module imports `triton` and `tl` from here.
+Without Triton they are stand-ins that let the modules (and their torch references) import; a
+Triton launcher then fails with an ImportError on its first line, through `require_triton`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except ImportError:
+
+    class _TritonStandIn:
+        """Enough of `triton` / `triton.language` for kernel definitions to be evaluated:
+        `@triton.jit` leaves the function as it is (it is never launched, since launchers call
+        `require_triton` first) and attributes such as `tl.constexpr` in annotations are None."""
+
+        @staticmethod
+        def jit(fn: Any) -> Any:
+            return fn
+
+        def __getattr__(self, name: str) -> None:
+            return None
+
+    triton = _TritonStandIn()  # type: ignore[assignment]
+    tl = _TritonStandIn()  # type: ignore[assignment]
+    TRITON_AVAILABLE = False
+
+
+def require_triton() -> None:
+    if not TRITON_AVAILABLE:
+        raise ImportError("this kernel needs Triton (`pip install conveyor[triton]`); use its *_reference instead")
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1), which is
+    how the kernels are tested on machines without a GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether tl.dot operands should be upcast to float32 (then multiplied in full IEEE precision).
+
+    Always under the interpreter: it multiplies bf16 operands as their raw uint16 bit patterns, so
+    a bf16 tl.dot returns garbage there. On a GPU only for float32 inputs, where the default TF32
+    would cost precision that a float32 cache was chosen to keep.
+    """
+    return interpreter_enabled() or dtype == torch.float32
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors to fill; 1 off CUDA (the interpreter runs programs one by one)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@triton.jit
+def matmul(a, b, IN_FP32: tl.constexpr):
+    """a @ b accumulated in float32. With IN_FP32 (see `dot_in_fp32`) both operands are upcast and
+    multiplied exactly; otherwise `a` is cast to b's dtype (how attention feeds its float32
+    probabilities to the tensor cores alongside bf16 values)."""
+    if IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b)

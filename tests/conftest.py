@@ -1,0 +1,44 @@
+"""Shared fixtures: the real SmolLM2 (converted once per cache dir) and tiny random HF checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder() -> Path:
+    from engine.model_registry import DEFAULT_MODEL, resolve_model
+
+    source = resolve_model(DEFAULT_MODEL)
+    assert source.path is not None
+    return source.path
+
+
+def save_random_hf_model(kind: str, folder: Path) -> Path:
+    """A small random Llama or Qwen3 checkpoint saved by transformers itself (the oracle's own format)."""
+    import transformers
+
+    common = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common, rope_theta=10000.0)
+        model_cls = transformers.LlamaForCausalLM
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+        model_cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    model = model_cls(config).float()
+    with torch.no_grad():  # peaked logits: greedy decisions should not hinge on float rounding
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
