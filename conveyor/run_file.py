@@ -63,7 +63,7 @@ def run_batch_file(input_path: Path, output_path: Path, llm: LLM, *, progress: b
 
 
 def _summarize(records: list[BatchOutputLine]) -> RunSummary:
-    failure_codes = Counter(record.error.code for record in records if record.error is not None)
+    failure_codes: Counter[str] = Counter(record.error.code for record in records if record.error is not None)
     failed = sum(failure_codes.values())
     return RunSummary(
         total=len(records), succeeded=len(records) - failed, failed=failed, failures_by_code=dict(failure_codes)

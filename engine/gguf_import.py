@@ -14,8 +14,10 @@ from typing import Any
 import gguf
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from engine.tokenizer import bos_eos_processor
 
 CONTROL_TOKEN = 3  # llama.cpp's token_type for special tokens such as <|im_start|>
 USER_DEFINED_TOKEN = 4  # added tokens that are matched whole but are not special
@@ -114,7 +116,8 @@ def _hf_tensors(reader: gguf.GGUFReader, hf_config: dict[str, Any]) -> dict[str,
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         # numpy's shape is GGUF's reversed, so a matrix arrives as (out_features, in_features) like torch's Linear.
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        # np.asarray drops the memmap subclass, whose per-slice bookkeeping would dominate dequantization time.
+        weights = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32, copy=False)
         name = _hf_name(tensor.name)
         if name.endswith("q_proj.weight"):
             weights = _undo_rope_permutation(weights, hf_config["num_attention_heads"])
@@ -169,10 +172,9 @@ def _build_tokenizer(metadata: dict[str, Any]) -> HFTokenizer:
     tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = _bos_eos_processor(
-        bos=_special_token(metadata, "bos_token_id") if metadata.get("tokenizer.ggml.add_bos_token") else None,
-        eos=_special_token(metadata, "eos_token_id") if metadata.get("tokenizer.ggml.add_eos_token") else None,
-        vocab=vocab,
+    tokenizer.post_processor = bos_eos_processor(
+        bos=_special_token_and_id(metadata, "bos_token_id") if metadata.get("tokenizer.ggml.add_bos_token") else None,
+        eos=_special_token_and_id(metadata, "eos_token_id") if metadata.get("tokenizer.ggml.add_eos_token") else None,
     )
     tokenizer.add_special_tokens([
         AddedToken(token, normalized=False, special=True)
@@ -185,14 +187,9 @@ def _build_tokenizer(metadata: dict[str, Any]) -> HFTokenizer:
     return tokenizer
 
 
-def _bos_eos_processor(bos: str | None, eos: str | None, vocab: dict[str, int]) -> processors.TemplateProcessing:
-    prefix = f"{bos} " if bos else ""
-    suffix = f" {eos}" if eos else ""
-    return processors.TemplateProcessing(
-        single=f"{prefix}$A{suffix}",
-        pair=f"{prefix}$A{suffix} {prefix}$B:1{suffix}",
-        special_tokens=[(token, vocab[token]) for token in (bos, eos) if token],
-    )
+def _special_token_and_id(metadata: dict[str, Any], key: str) -> tuple[str, int] | None:
+    token = _special_token(metadata, key)
+    return None if token is None else (token, metadata[f"tokenizer.ggml.{key}"])
 
 
 def _special_token(metadata: dict[str, Any], key: str) -> str | None:

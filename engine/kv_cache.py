@@ -3,6 +3,7 @@ for K and one for V, sized from a memory budget."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig, ModelConfig
@@ -33,7 +34,17 @@ def num_kv_blocks(model: ModelConfig, config: EngineConfig, device: torch.device
 def allocate_kv_cache(
     model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # torch.empty: on CPU the OS only backs pages that get written, so a large budget costs
-    # nothing until it is used.
     shape = (2, num_blocks, block_size, model.num_key_value_heads, model.head_dim)
-    return [tuple(torch.empty(shape, dtype=dtype, device=device).unbind(0)) for _ in range(model.num_hidden_layers)]
+    return [tuple(_zeros(shape, dtype, device).unbind(0)) for _ in range(model.num_hidden_layers)]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed, because attention reads whole blocks and masks the unused tail: uninitialised memory
+    could hold NaN bit patterns, and a masked NaN still poisons the softmax. On CPU numpy's calloc
+    gets pages the OS zeroes on first touch, so a large budget costs no memory until it is used
+    (torch.zeros would write every page up front)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * element_size, dtype=np.uint8))
+    return raw.view(dtype).view(shape)

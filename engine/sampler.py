@@ -1,9 +1,9 @@
 """Batched next-token sampling: penalties, min_tokens masking, greedy / temperature / top-k / top-p / min-p.
 
-The hot path is a fixed handful of tensor ops over the whole batch; per-row Python work only builds the
-small parameter tensors. Random draws come from a counter-based hash of (seed, step, token id) instead of
-per-row torch.Generators, so all noise is made in one vectorised pass and a seeded row samples the same
-token whatever else shares its batch and wherever it sits in it.
+The hot path is a fixed handful of tensor ops over the whole batch; per-row Python work only builds small
+parameter tensors. Each sampled row draws with one uniform number from a counter-based hash of (seed, step)
+instead of a per-row torch.Generator, so a seeded row picks the same token whatever else shares its batch and
+wherever it sits in it, and the batch needs no per-token noise: the draw is an inverse-CDF lookup.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
-_MASK32 = 0xFFFFFFFF
-# Small enough (< 2**27) that a 32-bit value times it stays far inside int64: the hash never overflows.
-_MIX_MULTIPLIER = 0x45D9F3B
+_MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+_GOLDEN_GAMMA = 0x9E37_79B9_7F4A_7C15  # SplitMix64's stream increment
 # With top-p alone, first try a top-k of this width: the nucleus of a real LM distribution nearly always fits,
 # which replaces a full-vocabulary sort by a cheap partial one. When it does not fit we sort everything.
 _PREFILTER_WIDTH = 256
@@ -46,7 +45,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Picks one next token per row. Holds no state: every random draw is keyed by (seed, step, token id)."""
+    """Picks one next token per row. Holds no state: every random draw is keyed by (seed, step)."""
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         raw = logits.float()
@@ -125,48 +124,63 @@ def _row_values(
 def _pick_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     sampled_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
     if not sampled_rows:
-        return logits.argmax(dim=-1)
+        return _argmax(logits)
     if len(sampled_rows) == len(rows):
         return _sample(logits, rows)
     # argmax over the whole batch is cheaper than gathering the greedy rows out first.
-    token_ids = logits.argmax(dim=-1)
+    token_ids = _argmax(logits)
     index = torch.tensor(sampled_rows, dtype=torch.int64, device=logits.device)
     token_ids[index] = _sample(logits[index], [rows[i] for i in sampled_rows])
     return token_ids
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    # max(dim).indices matches argmax (first maximum wins) but is several times faster on CPU.
+    return logits.max(dim=-1).indices
+
+
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then one exponential-race draw per row."""
+    """Temperature, top-k, top-p, min-p, then one inverse-CDF draw per row.
+
+    Works on weights exp(logit - max logit): probabilities up to a per-row factor, which neither the filters
+    nor the draw need removed, and min-p becomes a plain `weight < min_p`.
+    """
     vocab_size = logits.shape[-1]
     device = logits.device
     scaled = logits / _row_values(rows, lambda p: p.temperature, device)[:, None]
     top_k = [row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size for row in rows]
     top_p = [row.params.top_p for row in rows]
-    log_min_p = _row_values(rows, lambda p: math.log(p.min_p) if p.min_p > 0 else -math.inf, device)[:, None]
+    min_p = _row_values(rows, lambda p: p.min_p, device)[:, None]
+    uniform = torch.tensor(
+        [_uniform(row.seed, len(row.output_token_ids)) for row in rows], dtype=torch.float32, device=device
+    )
 
     if all(k == vocab_size for k in top_k) and all(p == 1.0 for p in top_p):
-        probs = scaled.softmax(dim=-1)
-        below_min_p = scaled < scaled.amax(dim=-1, keepdim=True) + log_min_p
-        probs.masked_fill_(below_min_p, 0.0)
-        noise = _exponential_noise(_row_states(rows, device), None, vocab_size)
-        return (probs / noise).argmax(dim=-1)
-
-    candidate_logits, candidate_ids, probs = _top_k_top_p(scaled, top_k, top_p)
-    below_min_p = candidate_logits < candidate_logits[:, :1] + log_min_p
-    probs.masked_fill_(below_min_p, 0.0)
-    # Every filter keeps a prefix of the descending candidates, so columns past the longest kept prefix are
-    # all zero and need no noise.
-    width = int((probs > 0).sum(dim=-1).max())
-    probs, candidate_ids = probs[:, :width], candidate_ids[:, :width]
-    noise = _exponential_noise(_row_states(rows, device), candidate_ids, vocab_size)
-    choice = (probs / noise).argmax(dim=-1, keepdim=True)
-    return candidate_ids.gather(1, choice).squeeze(1)
+        weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()
+    else:
+        candidate_ids, candidate_weights = _top_k_top_p(scaled, top_k, top_p)
+        # The draw walks the vocabulary in token-id order whatever path a row took, so the token a given
+        # uniform picks cannot depend on which filters its batch mates asked for.
+        weights = torch.zeros_like(scaled).scatter_(1, candidate_ids, candidate_weights)
+    weights.masked_fill_(weights < min_p * 0.5, 0.0)
+    return _inverse_cdf(weights, uniform)
 
 
-def _top_k_top_p(
-    scaled: torch.Tensor, top_k: list[int], top_p: list[float]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Candidates in descending order as (logits, token ids, probs), probs zeroed outside top-k and top-p.
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Column of each row where its CDF first exceeds uniform * total weight.
+
+    A zero-weight column never wins: the CDF does not rise there. float32 is enough: CPU cumsum accumulates
+    in double, so each CDF entry is off by at most half an ulp, i.e. ~1e-7 of the row's mass.
+    """
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Capping just below the total keeps the lookup inside the row even if uniform * total rounds up to it.
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate token ids in descending order and their weights, zeroed outside top-k and top-p.
 
     As in vLLM, top-p sees the distribution renormalised over the top-k set. Top-p keeps the smallest
     prefix whose mass reaches top_p: a candidate is dropped once the mass before it is already >= top_p.
@@ -174,74 +188,55 @@ def _top_k_top_p(
     vocab_size = scaled.shape[-1]
     device = scaled.device
     k_tensor = torch.tensor(top_k, dtype=torch.int64, device=device)
-    p_tensor = torch.tensor(top_p, dtype=torch.float32, device=device)
     has_top_k = k_tensor < vocab_size
-    # Rows without top-k normalise over the whole vocabulary, so a partial candidate list still gives exact probs.
-    full_log_norm = None if all(k < vocab_size for k in top_k) else scaled.logsumexp(dim=-1)
+    p_tensor = torch.tensor([p if p < 1.0 else math.inf for p in top_p], dtype=torch.float32, device=device)
+    # Rows without top-k measure top-p against the whole vocabulary's weight, so a partial candidate list
+    # still gives exact top-p, and the result does not depend on how many candidates the batch fetched.
+    vocab_mass = None
+    if not all(k < vocab_size for k in top_k):
+        vocab_mass = (scaled.logsumexp(dim=-1) - scaled.amax(dim=-1)).exp()
     row_widths = [k if k < vocab_size else _PREFILTER_WIDTH if p < 1.0 else vocab_size for k, p in zip(top_k, top_p)]
     width = min(vocab_size, max(row_widths))
 
-    candidate_logits, candidate_ids, probs = _descending_candidates(scaled, width, k_tensor, has_top_k, full_log_norm)
-    cumulative = probs.cumsum(dim=-1)
-    nucleus_cut_off = ~has_top_k & (cumulative[:, -1] < p_tensor)
-    if width < vocab_size and bool(nucleus_cut_off.any()):
-        candidate_logits, candidate_ids, probs = _descending_candidates(
-            scaled, vocab_size, k_tensor, has_top_k, full_log_norm
-        )
-        cumulative = probs.cumsum(dim=-1)
-    probs.masked_fill_(cumulative - probs >= p_tensor[:, None], 0.0)
-    return candidate_logits, candidate_ids, probs
+    candidate_ids, weights, cumulative = _weighted_candidates(scaled, width, k_tensor)
+    if vocab_mass is not None and width < vocab_size:
+        nucleus_cut_off = ~has_top_k & (cumulative[:, -1] < p_tensor * vocab_mass)
+        if bool(nucleus_cut_off.any()):
+            candidate_ids, weights, cumulative = _weighted_candidates(scaled, vocab_size, k_tensor)
+    # Zeros past the top-k leave the running sum unchanged, so the last column holds the top-k set's weight.
+    mass = cumulative[:, -1] if vocab_mass is None else torch.where(has_top_k, cumulative[:, -1], vocab_mass)
+    return candidate_ids, weights.masked_fill_(cumulative - weights >= (p_tensor * mass)[:, None], 0.0)
 
 
-def _descending_candidates(
-    scaled: torch.Tensor,
-    width: int,
-    top_k: torch.Tensor,
-    has_top_k: torch.Tensor,
-    full_log_norm: torch.Tensor | None,
+def _weighted_candidates(
+    scaled: torch.Tensor, width: int, top_k: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The `width` most likely tokens as (logits, ids, probs), logits past each row's top-k set to -inf."""
+    """The `width` most likely tokens as (ids, weights exp(logit - max) zeroed past each row's top-k, their
+    running sum)."""
     if width < scaled.shape[-1]:
         candidate_logits, candidate_ids = scaled.topk(width, dim=-1)
     else:
         candidate_logits, candidate_ids = scaled.sort(dim=-1, descending=True)
-    columns = torch.arange(width, device=scaled.device)
-    candidate_logits = candidate_logits.masked_fill(columns >= top_k[:, None], -math.inf)
-    log_norm = candidate_logits.logsumexp(dim=-1)
-    if full_log_norm is not None:
-        log_norm = torch.where(has_top_k, log_norm, full_log_norm)
-    return candidate_logits, candidate_ids, (candidate_logits - log_norm[:, None]).exp()
+    weights = (candidate_logits - candidate_logits[:, :1]).exp_()
+    weights.masked_fill_(torch.arange(width, device=scaled.device) >= top_k[:, None], 0.0)
+    return candidate_ids, weights, weights.cumsum(dim=-1)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """32-bit integer hash (two multiply-xorshift rounds) on int64 values in [0, 2**32); returns a new tensor."""
-    x = x ^ (x >> 16)
-    x.mul_(_MIX_MULTIPLIER).bitwise_and_(_MASK32)
-    x.bitwise_xor_(x >> 16)
-    x.mul_(_MIX_MULTIPLIER).bitwise_and_(_MASK32)
-    return x.bitwise_xor_(x >> 16)
+def _mix64(x: int) -> int:
+    """SplitMix64's output function: a 64-bit bijection with full avalanche."""
+    x = ((x ^ (x >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return x ^ (x >> 31)
 
 
-def _row_states(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
-    """One 32-bit state per row from (seed, step); the step is the number of tokens generated so far."""
-    seeds = [row.seed & 0xFFFF_FFFF_FFFF_FFFF for row in rows]  # Python ints may be negative or wider
-    low = torch.tensor([seed & _MASK32 for seed in seeds], dtype=torch.int64, device=device)
-    high = torch.tensor([seed >> 32 for seed in seeds], dtype=torch.int64, device=device)
-    step = torch.tensor([len(row.output_token_ids) & _MASK32 for row in rows], dtype=torch.int64, device=device)
-    return _mix32(_mix32(_mix32(low) ^ high) ^ step)
+def _uniform(seed: int, step: int) -> float:
+    """Draw `step` of a SplitMix64 stream that starts at the mixed seed, as a float in (0, 1).
 
-
-def _exponential_noise(states: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """Exp(1) draws keyed by (row state, token id), shape [rows, tokens]; token_ids None means the whole vocab.
-
-    argmax(probs / Exp) is an exact sample from probs (the exponential race, i.e. Gumbel-max).
+    Counter-based, so the draw depends on (seed, step) alone. 23 bits make (k + 0.5) / 2**23 exact in float32,
+    so the value is never rounded to 0 or 1.
     """
-    token_keys = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=states.device))
-    keys = token_keys[None, :] if token_ids is None else token_keys[token_ids]
-    bits = _mix32(keys ^ states[:, None])
-    # 23 bits make (k + 0.5) / 2**23 exact in float32, so u is never rounded to 0 or 1 (Exp never 0 or inf).
-    uniform = ((bits >> 9).float() + 0.5) * 2.0**-23
-    return uniform.log_().neg_()
+    state = (_mix64(seed & _MASK64) + (step + 1) * _GOLDEN_GAMMA) & _MASK64
+    return ((_mix64(state) >> 41) + 0.5) * 2.0**-23
 
 
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:

@@ -18,6 +18,8 @@ from tokenizers import processors
 
 
 class Tokenizer:
+    """A `tokenizers` tokenizer plus what tokenizer_config.json adds: special tokens, BOS/EOS policy, chat template."""
+
     def __init__(self, backend: HFTokenizer, tokenizer_config: dict[str, Any], chat_template: str | None) -> None:
         self._backend = backend
         self._special_tokens = {
@@ -33,8 +35,12 @@ class Tokenizer:
         )
         # Like transformers: an explicit add_bos_token/add_eos_token overrides tokenizer.json's post-processor.
         if "add_bos_token" in tokenizer_config or "add_eos_token" in tokenizer_config:
-            self._set_bos_eos_processor(bool(tokenizer_config.get("add_bos_token")),
-                                        bool(tokenizer_config.get("add_eos_token")))
+            add_bos = tokenizer_config.get("add_bos_token") and self.bos_token_id is not None
+            add_eos = tokenizer_config.get("add_eos_token") and self.eos_token_id is not None
+            backend.post_processor = bos_eos_processor(
+                bos=(self._special_tokens["bos_token"], self.bos_token_id) if add_bos else None,
+                eos=(self._special_tokens["eos_token"], self.eos_token_id) if add_eos else None,
+            )
         self._chat_template = _compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
@@ -62,16 +68,17 @@ class Tokenizer:
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
-    def _set_bos_eos_processor(self, add_bos: bool, add_eos: bool) -> None:
-        bos = self._special_tokens.get("bos_token") if add_bos and self.bos_token_id is not None else None
-        eos = self._special_tokens.get("eos_token") if add_eos and self.eos_token_id is not None else None
-        prefix = f"{bos} " if bos else ""
-        suffix = f" {eos}" if eos else ""
-        self._backend.post_processor = processors.TemplateProcessing(
-            single=f"{prefix}$A{suffix}",
-            pair=f"{prefix}$A{suffix} {prefix}$B:1{suffix}",
-            special_tokens=[(token, self._backend.token_to_id(token)) for token in (bos, eos) if token],
-        )
+
+
+def bos_eos_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.TemplateProcessing:
+    """Wraps every encoded text in the given (token, id) BOS and EOS; None leaves that side bare."""
+    prefix = f"{bos[0]} " if bos else ""
+    suffix = f" {eos[0]}" if eos else ""
+    return processors.TemplateProcessing(
+        single=f"{prefix}$A{suffix}",
+        pair=f"{prefix}$A{suffix} {prefix}$B:1{suffix}",
+        special_tokens=[token for token in (bos, eos) if token],
+    )
 
 
 def _token_text(token: str | dict[str, Any] | None) -> str | None:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Annotated, Any, Literal, Protocol, TypeVar, get_args
+from typing import Annotated, Any, Literal, Protocol, TypeVar, cast, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
@@ -59,7 +59,7 @@ class PromptTokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
 
@@ -512,7 +512,7 @@ def response_record(
                     index=sample.index,
                     message=AssistantMessage(content=sample.text),
                     logprobs=_chat_logprobs(sample, top_n, tokenizer) if wants_logprobs else None,
-                    finish_reason=sample.finish_reason,
+                    finish_reason=cast(FinishReason, sample.finish_reason),  # aborted samples returned above
                 )
                 for sample in samples
             ],
@@ -528,7 +528,7 @@ def response_record(
                     index=sample.index,
                     text=sample.text,
                     logprobs=_completion_logprobs(sample, tokenizer) if wants_logprobs else None,
-                    finish_reason=sample.finish_reason,
+                    finish_reason=cast(FinishReason, sample.finish_reason),  # aborted samples returned above
                 )
                 for sample in samples
             ],
@@ -546,7 +546,7 @@ def _chat_logprobs(sample: GeneratedSequence, top_n: int, tokenizer: PromptToken
         return None
 
     def entry(token_id: int, logprob: float) -> TopLogprob:
-        token = tokenizer.decode([token_id])
+        token = _token_text(tokenizer, token_id)
         return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
 
     content = []
@@ -561,18 +561,23 @@ def _chat_logprobs(sample: GeneratedSequence, top_n: int, tokenizer: PromptToken
 def _completion_logprobs(sample: GeneratedSequence, tokenizer: PromptTokenizer) -> CompletionLogprobs | None:
     if sample.logprobs is None:
         return None
-    tokens = [tokenizer.decode([token_id]) for token_id in sample.token_ids]
+    tokens = [_token_text(tokenizer, token_id) for token_id in sample.token_ids]
     return CompletionLogprobs(
         tokens=tokens,
         token_logprobs=[
             candidates[token_id] for token_id, candidates in zip(sample.token_ids, sample.logprobs, strict=True)
         ],
         top_logprobs=[
-            {tokenizer.decode([candidate_id]): logprob for candidate_id, logprob in _best_first(candidates)}
+            {_token_text(tokenizer, candidate_id): logprob for candidate_id, logprob in _best_first(candidates)}
             for candidates in sample.logprobs
         ],
         text_offset=list(accumulate((len(token) for token in tokens[:-1]), initial=0)) if tokens else [],
     )
+
+
+def _token_text(tokenizer: PromptTokenizer, token_id: int) -> str:
+    # Special tokens keep their names (e.g. the end-of-turn token), as vLLM shows them, instead of vanishing.
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _best_first(candidates: Mapping[int, float]) -> list[tuple[int, float]]:

@@ -26,10 +26,11 @@ def _copy_blocks_kernel(
     WORD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Program (cache, pair, chunk): copies CHUNK elements of block pairs[pair, 0] of source cache
-    `cache` into block pairs[pair, 1] of its destination cache."""
-    cache = tl.program_id(0)
-    pair = tl.program_id(1)
+    """Program (pair, cache, chunk): copies CHUNK elements of block pairs[pair, 0] of source cache
+    `cache` into block pairs[pair, 1] of its destination cache. Pairs go on grid axis 0, the only
+    one not capped at 65535, since swapping out a long sequence moves thousands of blocks."""
+    pair = tl.program_id(0)
+    cache = tl.program_id(1)
     offsets = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
     mask = offsets < block_numel
     src = tl.load(src_addresses_ptr + cache).to(tl.pointer_type(WORD))
@@ -66,7 +67,7 @@ def _launch_copy(
     dst_addresses = torch.tensor([cache.data_ptr() for cache in dst_caches], dtype=torch.int64, device=device)
     block_numel = like[0].numel()
     chunk = 256 if interpreter_enabled() else 2048
-    grid = (len(src_caches), num_pairs, triton.cdiv(block_numel, chunk))
+    grid = (num_pairs, len(src_caches), triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](
         src_addresses,
         dst_addresses,

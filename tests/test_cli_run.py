@@ -1,0 +1,110 @@
+"""`conveyor run`: an OpenAI Batch input file in, one results line per input line out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conveyor.cli import main
+
+
+def request_line(custom_id: str, url: str, body: dict[str, Any]) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def test_a_missing_input_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    exit_code = main(["run", "-i", str(tmp_path / "absent.jsonl"), "-o", str(tmp_path / "out.jsonl")])
+    assert exit_code == 1
+    stderr = capsys.readouterr().err
+    assert "input file not found" in stderr and "absent.jsonl" in stderr
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_missing_output_folder_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(request_line("a", "/v1/completions", {"prompt": "hi"}) + "\n")
+    exit_code = main(["run", "-i", str(source), "-o", str(tmp_path / "missing" / "out.jsonl")])
+    assert exit_code == 1
+    assert "output folder does not exist" in capsys.readouterr().err
+
+
+def test_input_and_output_are_required(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["run"])
+    assert exited.value.code == 2
+    assert "-i/--input" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    chat = "/v1/chat/completions"
+    lines = [
+        request_line("chat-ok", chat, {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+                                       "temperature": 0}),
+        "{this is not json",
+        request_line("text-ok", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 6,
+                                                    "temperature": 0, "logprobs": 2}),
+        request_line("bad-temperature", chat, {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}),
+        "",  # blank lines carry no request and get no output line
+        request_line("bad-url", "/v1/embeddings", {"input": "Hi"}),
+        request_line("chat-logprobs", chat, {"messages": [{"role": "user", "content": "Count to three."}],
+                                             "max_completion_tokens": 5, "temperature": 0, "logprobs": True,
+                                             "top_logprobs": 2}),
+        request_line("too-long", "/v1/completions", {"prompt": "word " * 50_000, "max_tokens": 4}),
+        request_line("two-samples", chat, {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 6,
+                                           "n": 2, "seed": 3}),
+    ]
+    source, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+
+    exit_code = main(["run", "-i", str(source), "-o", str(results), "--max-num-seqs", "8"])
+
+    assert exit_code == 0
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [record["custom_id"] for record in records] == [
+        "chat-ok", None, "text-ok", "bad-temperature", "bad-url", "chat-logprobs", "too-long", "two-samples",
+    ]
+    by_id = {record["custom_id"]: record for record in records}
+
+    for custom_id in ("chat-ok", "text-ok", "chat-logprobs", "two-samples"):
+        record = by_id[custom_id]
+        assert record["error"] is None
+        assert record["id"].startswith("batch_req_")
+        body = record["response"]["body"]
+        assert record["response"]["status_code"] == 200
+        assert body["model"] == "smollm2-135m-instruct"
+        assert body["usage"]["prompt_tokens"] > 0
+        assert body["usage"]["completion_tokens"] >= len(body["choices"])
+        for choice in body["choices"]:
+            assert choice["finish_reason"] in ("stop", "length")
+
+    chat_body = by_id["chat-ok"]["response"]["body"]
+    assert chat_body["object"] == "chat.completion"
+    assert chat_body["choices"][0]["message"]["role"] == "assistant"
+    assert chat_body["choices"][0]["message"]["content"].strip()
+
+    text_body = by_id["text-ok"]["response"]["body"]
+    assert text_body["object"] == "text_completion"
+    text_choice = text_body["choices"][0]
+    assert text_choice["text"].strip()
+    assert len(text_choice["logprobs"]["tokens"]) == text_body["usage"]["completion_tokens"]
+    assert all(len(top) >= 2 for top in text_choice["logprobs"]["top_logprobs"])
+
+    token_logprobs = by_id["chat-logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert token_logprobs and all(len(entry["top_logprobs"]) == 2 for entry in token_logprobs)
+    assert [choice["index"] for choice in by_id["two-samples"]["response"]["body"]["choices"]] == [0, 1]
+
+    errors = {record["custom_id"]: record["error"] for record in records if record["error"] is not None}
+    assert errors[None]["code"] == "invalid_json_line"
+    assert errors["bad-temperature"] == {"code": "invalid_parameter", "message": "temperature must be >= 0, got -1.0"}
+    assert errors["bad-url"]["code"] == "invalid_url"
+    assert errors["too-long"]["code"] == "context_length_exceeded"
+    assert all(record["response"] is None for record in records if record["error"] is not None)
+
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "8 requests, 4 succeeded, 4 failed" in summary
+    assert "1 invalid_json_line" in summary and str(results) in summary
