@@ -162,15 +162,16 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         # The draw walks the vocabulary in token-id order whatever path a row took, so the token a given
         # uniform picks cannot depend on which filters its batch mates asked for.
         weights = torch.zeros_like(scaled).scatter_(1, candidate_ids, candidate_weights)
-    weights.masked_fill_(weights < min_p * 0.5, 0.0)
+    weights.masked_fill_(weights < min_p, 0.0)
     return _inverse_cdf(weights, uniform)
 
 
 def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Column of each row where its CDF first exceeds uniform * total weight.
 
-    A zero-weight column never wins: the CDF does not rise there. float32 is enough: CPU cumsum accumulates
-    in double, so each CDF entry is off by at most half an ulp, i.e. ~1e-7 of the row's mass.
+    A zero-weight column never wins: the CDF does not rise there. float32 is enough: each CDF entry is within
+    a few ulps (~1e-7 of the row's mass; CPU cumsum even accumulates in double), far below any share that
+    matters when sampling.
     """
     cdf = weights.cumsum(dim=-1)
     total = cdf[:, -1:]
@@ -195,7 +196,10 @@ def _top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     vocab_mass = None
     if not all(k < vocab_size for k in top_k):
         vocab_mass = (scaled.logsumexp(dim=-1) - scaled.amax(dim=-1)).exp()
-    row_widths = [k if k < vocab_size else _PREFILTER_WIDTH if p < 1.0 else vocab_size for k, p in zip(top_k, top_p)]
+    # Candidates each row needs: its top-k; for top-p alone, the prefilter (checked below); else everything.
+    row_widths = [
+        k if k < vocab_size else _PREFILTER_WIDTH if p < 1.0 else vocab_size for k, p in zip(top_k, top_p)
+    ]
     width = min(vocab_size, max(row_widths))
 
     candidate_ids, weights, cumulative = _weighted_candidates(scaled, width, k_tensor)
@@ -205,7 +209,8 @@ def _top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
             candidate_ids, weights, cumulative = _weighted_candidates(scaled, vocab_size, k_tensor)
     # Zeros past the top-k leave the running sum unchanged, so the last column holds the top-k set's weight.
     mass = cumulative[:, -1] if vocab_mass is None else torch.where(has_top_k, cumulative[:, -1], vocab_mass)
-    return candidate_ids, weights.masked_fill_(cumulative - weights >= (p_tensor * mass)[:, None], 0.0)
+    weights.masked_fill_(cumulative - weights >= (p_tensor * mass)[:, None], 0.0)
+    return candidate_ids, weights
 
 
 def _weighted_candidates(
@@ -242,7 +247,7 @@ def _uniform(seed: int, step: int) -> float:
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     log_norm = raw.logsumexp(dim=-1)
     sampled_logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - log_norm
-    top_n = max((row.params.logprobs or 0) for row in rows)
+    top_n = max((row.params.logprobs or 0 for row in rows), default=0)
     top_logprobs = None
     if top_n > 0:
         values, ids = raw.topk(top_n, dim=-1)

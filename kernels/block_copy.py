@@ -131,7 +131,9 @@ def swap_blocks(
     dst_cache.index_copy_(0, dst_index, blocks)
 
 
-def copy_blocks_reference(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src_dst_pairs: torch.Tensor) -> None:
+def copy_blocks_reference(
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src_dst_pairs: torch.Tensor
+) -> None:
     """Plain-torch `copy_blocks`."""
     for cache in list(k_caches) + list(v_caches):
         pairs = src_dst_pairs.to(device=cache.device, dtype=torch.int64)
@@ -141,4 +143,5 @@ def copy_blocks_reference(k_caches: list[torch.Tensor], v_caches: list[torch.Ten
 def swap_blocks_reference(src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: torch.Tensor) -> None:
     """Plain-torch `swap_blocks`."""
     blocks = src_cache.index_select(0, src_to_dst[:, 0].to(device=src_cache.device, dtype=torch.int64))
-    dst_cache.index_copy_(0, src_to_dst[:, 1].to(device=dst_cache.device, dtype=torch.int64), blocks.to(dst_cache.device))
+    dst_index = src_to_dst[:, 1].to(device=dst_cache.device, dtype=torch.int64)
+    dst_cache.index_copy_(0, dst_index, blocks.to(dst_cache.device))

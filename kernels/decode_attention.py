@@ -19,7 +19,7 @@ import torch
 from kernels.prefill_attention import prefill_attention_reference
 from kernels.triton_utils import (
     dot_in_fp32,
-    interpreter_enabled,
+    key_tile_length,
     matmul,
     multiprocessor_count,
     next_power_of_2,
@@ -99,7 +99,9 @@ def _decode_partition_kernel(
         valid = positions < split_end
         block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         token_offsets = (
-            block_ids * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_offset + kv_head * cache_stride_head
+            block_ids * cache_stride_block
+            + (positions % BLOCK_SIZE) * cache_stride_offset
+            + kv_head * cache_stride_head
         )
         kv_offsets = token_offsets[:, None] + dims[None, :]
         kv_mask = valid[:, None] & dim_mask[None, :]
@@ -205,7 +207,9 @@ def decode_attention(
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} vs batch {batch}")
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} vs batch {batch}"
+        )
     if out is None:
         out = torch.empty_like(q)
     if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
@@ -215,7 +219,7 @@ def decode_attention(
 
     group_size = num_heads // num_kv_heads
     head_dim_pad = next_power_of_2(head_dim)
-    block_n = 16 if interpreter_enabled() else (64 if head_dim <= 128 else 32)
+    block_n = key_tile_length(head_dim, k_cache.element_size())
     if num_splits is None:
         num_splits = _default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, block_n, q.device)
     if num_splits < 1:

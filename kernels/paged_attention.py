@@ -70,18 +70,17 @@ def paged_attention_reference(
         if group > 1:
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
-        q = query[rows].transpose(0, 1)  # [H, q_len, D]
+        # 4-D inputs: torch's CPU flash kernel only takes batched inputs; 3-D falls back to the
+        # much slower math path.
+        q = query[rows].transpose(0, 1)[None]  # [1, H, q_len, D]
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         if q_len == seq_len:
-            attn = F.scaled_dot_product_attention(
-                q, keys.transpose(0, 1), values.transpose(0, 1), is_causal=True, scale=scale
-            )
+            attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
         else:
             query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             mask = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]
-            attn = F.scaled_dot_product_attention(
-                q, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
-            )
-        out[rows] = attn.transpose(0, 1)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        out[rows] = attn[0].transpose(0, 1)
     return out
 
 

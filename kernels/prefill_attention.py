@@ -24,6 +24,7 @@ import torch
 from kernels.triton_utils import (
     dot_in_fp32,
     interpreter_enabled,
+    key_tile_length,
     matmul,
     next_power_of_2,
     require_triton,
@@ -183,10 +184,7 @@ def prefill_attention(
     group_size = num_heads // num_kv_heads
     block_m = _tile_rows(group_size, max_query_len)
     block_q = block_m // group_size
-    if interpreter_enabled():
-        block_n = 16
-    else:
-        block_n = 64 if head_dim <= 128 else 32
+    block_n = key_tile_length(head_dim, k_cache.element_size())
     num_tiles = num_tokens // block_q + num_seqs
     _prefill_attention_kernel[(num_tiles, num_kv_heads)](
         q,

@@ -33,8 +33,10 @@ def _rotate_heads(
     mask = (heads[:, None] < num_heads) & (dims[None, :] < half_dim)
     first = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
     second = tl.load(first_half + half_dim, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first_half, (first * cos[None, :] - second * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(first_half + half_dim, (second * cos[None, :] + first * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+    rotated_first = first * cos[None, :] - second * sin[None, :]
+    rotated_second = second * cos[None, :] + first * sin[None, :]
+    tl.store(first_half, rotated_first.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(first_half + half_dim, rotated_second.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

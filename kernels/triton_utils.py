@@ -64,6 +64,15 @@ def multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def key_tile_length(head_dim: int, element_size: int) -> int:
+    """Keys per attention tile (BLOCK_N): 64 while a key row takes at most 256 bytes (bf16 up to
+    head_dim 128), else 32, so the pipelined K/V tiles stay within the shared memory of GPUs
+    smaller than an H100; 16 under the interpreter, where small tiles keep tests quick."""
+    if interpreter_enabled():
+        return 16
+    return 64 if head_dim * element_size <= 256 else 32
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 

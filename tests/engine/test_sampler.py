@@ -34,9 +34,9 @@ def make_row(
     )
 
 
-def draw_many(logits: torch.Tensor, params: SamplingParams, draws: int, step: int = 0) -> torch.Tensor:
+def draw_many(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
     """One token per seed 0..draws-1 from the same single-row logits, all in one batch."""
-    rows = [make_row(params, seed=seed, step=step) for seed in range(draws)]
+    rows = [make_row(params, seed=seed) for seed in range(draws)]
     return sampler(logits.repeat(draws, 1), rows).token_ids
 
 
@@ -169,13 +169,15 @@ def test_negative_and_wide_seeds_are_accepted() -> None:
 # --- seeded batch independence --------------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     params=sampled_params,
     seed=st.integers(-(2**63), 2**64),
     step=st.integers(0, 40),
     mates=st.lists(any_params, max_size=5),
     position=st.integers(0, 5),
+    vocab_size=st.sampled_from([120, 700]),  # 700 exceeds the top-p prefilter, so mates can change its path
+    sharpness=st.sampled_from([0.5, 3.0]),
     logits_seed=st.integers(0, 2**31),
 )
 def test_same_seed_and_step_give_the_same_token_whatever_the_batch(
@@ -184,10 +186,11 @@ def test_same_seed_and_step_give_the_same_token_whatever_the_batch(
     step: int,
     mates: list[SamplingParams],
     position: int,
+    vocab_size: int,
+    sharpness: float,
     logits_seed: int,
 ) -> None:
-    vocab_size = 120
-    logits = random_logits(1 + len(mates), vocab_size, seed=logits_seed)
+    logits = random_logits(1 + len(mates), vocab_size, seed=logits_seed) * sharpness
     generator = torch.Generator().manual_seed(logits_seed)
     output = torch.randint(0, vocab_size, (step,), generator=generator).tolist()
     target = make_row(params, seed=seed, prompt=[1, 2, 3], output=output, eos=[0])
@@ -256,6 +259,11 @@ def test_top_p_applies_to_the_top_k_renormalised_distribution() -> None:
     assert set(alone.tolist()) == {0, 1}
     after_top_k = draw_many(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.5), draws=2_000)
     assert set(after_top_k.tolist()) == {0}
+    # also when a batch mate without top-k makes the batch track whole-vocabulary mass
+    rows = [make_row(SamplingParams(temperature=1.0, top_k=2, top_p=0.5), seed=seed) for seed in range(500)]
+    rows.append(make_row(SamplingParams(temperature=1.0, top_p=0.9)))
+    mixed = sampler(logits.repeat(len(rows), 1), rows).token_ids[:-1]
+    assert set(mixed.tolist()) == {0}
 
 
 def test_top_p_beyond_the_prefilter_width_falls_back_to_the_full_vocabulary() -> None:
@@ -267,6 +275,16 @@ def test_top_p_beyond_the_prefilter_width_falls_back_to_the_full_vocabulary() ->
     assert int(tokens.min()) >= 10
 
 
+def test_top_p_measures_mass_over_the_whole_vocabulary_when_the_nucleus_fits_the_prefilter() -> None:
+    # Ten head tokens hold 0.6 and 990 tail tokens 0.4: the 0.5 nucleus is the first 9 head tokens (mass
+    # 0.496 before the 9th). The partial top-k sees only a slice of the tail, so normalising over it instead
+    # would shrink the nucleus to 6.
+    head = torch.linspace(0.069, 0.051, 10, dtype=torch.float64)
+    probs = torch.cat([head, torch.full((990,), 0.4 / 990, dtype=torch.float64)])
+    tokens = draw_many(probs.log().float()[None, :], SamplingParams(temperature=1.0, top_p=0.5), draws=2_000)
+    assert set(tokens.tolist()) == set(range(9))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     vocab_size=st.integers(2, 700),
@@ -274,7 +292,9 @@ def test_top_p_beyond_the_prefilter_width_falls_back_to_the_full_vocabulary() ->
     temperature=st.floats(0.3, 2.0),
     logits_seed=st.integers(0, 2**31),
 )
-def test_every_top_p_draw_lies_in_the_nucleus(vocab_size: int, top_p: float, temperature: float, logits_seed: int) -> None:
+def test_every_top_p_draw_lies_in_the_nucleus(
+    vocab_size: int, top_p: float, temperature: float, logits_seed: int
+) -> None:
     logits = random_logits(1, vocab_size, seed=logits_seed)
     tokens = draw_many(logits, SamplingParams(temperature=temperature, top_p=top_p), draws=200)
     probs = (logits[0].double() / temperature).softmax(dim=-1)
@@ -341,7 +361,9 @@ def test_penalties_on_a_worked_example() -> None:
     vocab_size=st.integers(2, 40),
     logits_seed=st.integers(0, 2**31),
 )
-def test_process_logits_matches_the_formulas(data: st.DataObject, batch: int, vocab_size: int, logits_seed: int) -> None:
+def test_process_logits_matches_the_formulas(
+    data: st.DataObject, batch: int, vocab_size: int, logits_seed: int
+) -> None:
     token = st.integers(0, vocab_size - 1)
     rows = []
     for _ in range(batch):

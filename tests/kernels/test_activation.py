@@ -11,7 +11,9 @@ from tests.kernels.kernel_testing import DTYPES, poisoned, tolerance
 
 @pytest.mark.parametrize(("num_tokens", "intermediate_size"), [(1, 64), (5, 100), (3, 200)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_reference(device: str, dtype: torch.dtype, num_tokens: int, intermediate_size: int) -> None:
+def test_silu_and_mul_matches_reference(
+    device: str, dtype: torch.dtype, num_tokens: int, intermediate_size: int
+) -> None:
     generator = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(num_tokens, 2 * intermediate_size, generator=generator)).to(device, dtype)
     out = poisoned((num_tokens, intermediate_size), dtype, device)

@@ -25,8 +25,9 @@ def test_prefill_reference_matches_naive_attention(num_heads: int, num_kv_heads:
     q = torch.randn(starts[-1], num_heads, head_dim, generator=generator)
     scale = head_dim**-0.5
 
+    query_start_loc = torch.tensor(starts, dtype=torch.int32)
     out = prefill_attention_reference(
-        q, paged.k_cache, paged.v_cache, torch.tensor(starts, dtype=torch.int32), paged.seq_lens, paged.block_tables, scale
+        q, paged.k_cache, paged.v_cache, query_start_loc, paged.seq_lens, paged.block_tables, scale
     )
 
     for seq in range(len(chunks)):

@@ -20,7 +20,9 @@ def _cos_sin(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_matches_reference(device: str, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+def test_rotary_matches_reference(
+    device: str, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int
+) -> None:
     """q and k are slices of a fused qkv projection; v, the slice after them, must stay as it was."""
     generator = torch.Generator().manual_seed(0)
     num_tokens = 6
