@@ -7,8 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-# The engine's default model, repeated here so `conveyor --help` does not pay for importing torch.
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from engine.model_registry import DEFAULT_MODEL
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -17,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="OpenAI-compatible batch inference.")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_command(subcommands)
+    _add_bench_command(subcommands)
     args = parser.parse_args(argv)
     handler: Handler = args.handler
     return handler(args)
@@ -79,6 +79,26 @@ def _run(args: argparse.Namespace) -> int:
         + f"; results in {output_path}",
         file=sys.stderr,
     )
+    return 0
+
+
+def _add_bench_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from bench import throughput
+
+    bench = subcommands.add_parser(
+        "bench",
+        help="offline throughput: conveyor vs Hugging Face static-batch generate on the same requests",
+        description=throughput.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    throughput.add_arguments(bench)
+    bench.set_defaults(handler=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from bench import throughput
+
+    throughput.run(args)
     return 0
 
 

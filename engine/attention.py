@@ -12,7 +12,8 @@ from typing import Protocol
 
 import torch
 
-from kernels.paged_attention import paged_attention_reference, write_kv_cache_reference
+from kernels.kv_cache_write import write_kv_cache_reference
+from kernels.paged_attention import paged_attention_reference
 
 
 @dataclass(frozen=True)

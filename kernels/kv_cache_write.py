@@ -106,9 +106,10 @@ def write_kv_cache_reference(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Plain-torch `write_kv_cache`."""
+    """Plain-torch `write_kv_cache`: the engine's CPU path."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    if not bool(keep.all()):  # padding slots are rare; skip the masked copies when there are none
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), value.to(v_cache.dtype))

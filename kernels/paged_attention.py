@@ -15,21 +15,6 @@ import torch
 import torch.nn.functional as F
 
 
-def write_kv_cache_reference(
-    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    value: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
-) -> None:
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
-
-
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """[length, num_kv_heads, head_dim] of one sequence, read through its block table."""
     block_size = cache.shape[1]
