@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from kernels.kv_cache_write import write_kv_cache_reference
-from kernels.paged_attention import paged_attention_reference
+from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention, run_paged_attention
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,13 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
+    """The CPU path. Plans the batch layout once per step (on the first layer that sees the step's
+    metadata) and reuses the plan in every other layer."""
+
+    def __init__(self) -> None:
+        self._planned_for: AttentionMetadata | None = None
+        self._plan: PagedAttentionPlan | None = None
+
     def __call__(
         self,
         query: torch.Tensor,
@@ -54,10 +61,13 @@ class TorchAttention:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if self._planned_for is not metadata:
+            self._plan = plan_paged_attention(
+                metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, k_cache.shape[1]
+            )
+            self._planned_for = metadata
         write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)
-        return paged_attention_reference(
-            query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale
-        )
+        return run_paged_attention(query, k_cache, v_cache, self._plan, scale)
 
 
 def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -30,26 +30,36 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop = tuple(stop)
         self.include_stop = include_stop_str_in_output
-        self._longest_stop = max((len(s) for s in self.stop), default=0)
+        # While unfinished, a tail this long may still turn out to begin a stop string that is then cut.
+        self._held_back = 0 if include_stop_str_in_output else max((len(s) for s in self.stop), default=1) - 1
 
-    def append(self, token_id: int) -> str | None:
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Add one generated token. Returns the stop string that matched, if one did (then `text`
-        has been cut just before it, or just after it with include_stop_str_in_output)."""
+        has been cut just before it, or just after it with include_stop_str_in_output). With
+        check_stop False (before min_tokens, as vLLM) the text only grows."""
         self._ids.append(token_id)
         prefix_text = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self.tokenizer.decode(self._ids[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return None
-        searched_from = max(0, len(self.text) - self._longest_stop + 1)
+        new_from = len(self.text)
         self.text += full_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return self._find_stop(searched_from)
+        return self._find_stop(new_from) if check_stop else None
 
-    def _find_stop(self, searched_from: int) -> str | None:
-        # Only the new text, plus enough of the old to catch a stop string spanning the boundary.
+    def output_text(self, finished: bool) -> str:
+        """`text` less, while unfinished, the tail that could still become a cut stop string (as vLLM
+        does), so that streamed snapshots only ever grow."""
+        if finished:
+            return self.text
+        return self.text[: max(0, len(self.text) - self._held_back)]
+
+    def _find_stop(self, new_from: int) -> str | None:
+        # A stop string must end in the new text: earlier text was searched already, or came before
+        # min_tokens, when stop strings do not count.
         best: tuple[int, str] | None = None
         for stop in self.stop:
-            at = self.text.find(stop, searched_from)
+            at = self.text.find(stop, max(0, new_from - len(stop) + 1))
             if at != -1 and (best is None or at < best[0]):
                 best = (at, stop)
         if best is None:
@@ -57,3 +67,18 @@ class IncrementalDetokenizer:
         at, stop = best
         self.text = self.text[: at + len(stop)] if self.include_stop else self.text[:at]
         return stop
+
+
+def decode_complete(tokenizer: Tokenizer, token_ids: Sequence[int]) -> str:
+    """Decode a finished output in one go, leaving out trailing tokens that end inside a UTF-8
+    character, as IncrementalDetokenizer holds them back: a length cut never leaves a U+FFFD."""
+    text = tokenizer.decode(token_ids)
+    if not text.endswith("\ufffd"):
+        return text
+    # A character has at most 4 bytes and every token at least one, so at most 3 tokens hold an
+    # unfinished one; a U+FFFD that survives dropping them is in the text itself.
+    for drop in range(1, min(3, len(token_ids)) + 1):
+        shorter = tokenizer.decode(token_ids[:-drop])
+        if not shorter.endswith("\ufffd"):
+            return shorter
+    return text

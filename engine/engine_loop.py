@@ -154,8 +154,8 @@ class EngineLoop:
             self.engine.add_request(
                 handle.request_id, command.prompt_token_ids, command.params, command.priority, stream=handle._stream is not None
             )
-        except ValueError as error:
-            handle._fail(error)
+        except Exception as error:  # a bad request (ValueError, or TypeError for a malformed prompt)
+            handle._fail(error)  # fails its own handle only: letting it escape would kill the loop thread
             return
         self._handles[handle.request_id] = handle
 

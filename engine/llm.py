@@ -63,13 +63,20 @@ class LLM:
 
         ids: list[str] = []
         texts: dict[str, str | None] = {}
-        for prompt, p, prio in zip(prompts, params_list, priorities):
-            request_id = str(self._next_id)
-            self._next_id += 1
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.engine.add_request(request_id, token_ids, p, priority=prio)
-            ids.append(request_id)
-            texts[request_id] = prompt if isinstance(prompt, str) else None
+        try:
+            for prompt, p, prio in zip(prompts, params_list, priorities):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                self.engine.add_request(request_id, token_ids, p, priority=prio)
+                ids.append(request_id)
+                texts[request_id] = prompt if isinstance(prompt, str) else None
+        except BaseException:
+            # One bad prompt fails the call; the ones already added must not linger in the engine,
+            # holding KV blocks and running along with the next call.
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
         return self._run(ids, texts, use_tqdm)
 
     def chat(

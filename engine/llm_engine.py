@@ -16,7 +16,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, decode_complete
 from engine.kv_cache import allocate_kv_cache, num_kv_blocks
 from engine.loader import init_dummy_weights, iter_safetensors
 from engine.model_registry import DEFAULT_MODEL, resolve_model
@@ -241,14 +241,19 @@ class LLMEngine:
     def _check_finish(self, state: _SampleState, token: int) -> None:
         seq, params = state.seq, state.seq.params
         num_output = len(seq.output_token_ids)
-        stop_string = state.detokenizer.append(token) if state.detokenizer is not None else None
-        if num_output >= params.min_tokens:
-            if token in params.stop_token_ids:
-                state.finish_reason, state.stop_reason = "stop", token
-            elif token in self.eos_token_ids and not params.ignore_eos:
-                state.finish_reason = "stop"
-            elif stop_string is not None:
-                state.finish_reason, state.stop_reason = "stop", stop_string
+        # As in vLLM, no stop condition counts before min_tokens, stop strings included.
+        may_stop = num_output >= params.min_tokens
+        stopped_by_token = may_stop and token in params.stop_token_ids
+        stop_string = None
+        # A stop token's text stays out of the output unless asked for, like a stop string's (vLLM).
+        if state.detokenizer is not None and (not stopped_by_token or params.include_stop_str_in_output):
+            stop_string = state.detokenizer.append(token, check_stop=may_stop)
+        if stopped_by_token:
+            state.finish_reason, state.stop_reason = "stop", token
+        elif may_stop and token in self.eos_token_ids and not params.ignore_eos:
+            state.finish_reason = "stop"
+        elif stop_string is not None:
+            state.finish_reason, state.stop_reason = "stop", stop_string
         if state.finish_reason is None and (
             (params.max_tokens is not None and num_output >= params.max_tokens) or seq.num_tokens >= self.max_model_len
         ):
@@ -264,9 +269,12 @@ class LLMEngine:
     def _completion(self, state: _SampleState) -> CompletionOutput:
         seq = state.seq
         if state.detokenizer is not None:
-            text = state.detokenizer.text
+            text = state.detokenizer.output_text(finished=state.finish_reason is not None)
         elif self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids)
+            text_ids = seq.output_token_ids
+            if isinstance(state.stop_reason, int) and not seq.params.include_stop_str_in_output:
+                text_ids = text_ids[:-1]  # the stop token, kept out of the text as in _check_finish
+            text = decode_complete(self.tokenizer, text_ids)
         else:
             text = ""
         return CompletionOutput(

@@ -5,21 +5,131 @@ flat ("varlen"): sequence i owns query rows `[query_start_loc[i], query_start_lo
 `seq_lens[i]` counts every token in its context including the new ones, which are already written
 to the cache. New token j of a sequence with q_len new tokens sits at position seq_len - q_len + j
 and attends to cache positions 0..that position.
+
+The batch layout is the same for every layer, so it is turned into a `PagedAttentionPlan` (index
+tensors, masks, groupings) once per step and each layer only gathers and attends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+_BUCKET_FILL = 0.6  # a decode group's shortest context is at least this share of its longest
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[length, num_kv_heads, head_dim] of one sequence, read through its block table."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Single-token rows of similar context length, attended in one padded call."""
+
+    token_index: torch.Tensor  # [b] query rows
+    blocks: torch.Tensor  # [b * max_blocks] block ids, each row's table padded to max_blocks
+    mask: torch.Tensor  # [b, 1, 1, max_blocks * block_size] bool: True where the context is real
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """A sequence with several new tokens (a prefill chunk)."""
+
+    rows: slice  # its query rows
+    blocks: torch.Tensor  # the block ids covering its context
+    seq_len: int
+    mask: torch.Tensor | None  # [q_len, seq_len] when a cached prefix precedes the chunk; None: causal
+
+
+@dataclass(frozen=True)
+class PagedAttentionPlan:
+    decode_groups: tuple[DecodeGroup, ...]
+    prefill_rows: tuple[PrefillRow, ...]
+
+
+def plan_paged_attention(
+    query_start_loc: Sequence[int], seq_lens: Sequence[int], block_tables: torch.Tensor, block_size: int
+) -> PagedAttentionPlan:
+    device = block_tables.device
+    starts, lens = list(query_start_loc), list(seq_lens)
+    query_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+
+    decode_groups = []
+    for rows in _length_buckets([i for i, q_len in enumerate(query_lens) if q_len == 1], lens):
+        max_blocks = -(-lens[rows[0]] // block_size)  # rows come longest first
+        context_lens = torch.tensor([lens[i] for i in rows], device=device)
+        mask = torch.arange(max_blocks * block_size, device=device)[None, :] < context_lens[:, None]
+        decode_groups.append(
+            DecodeGroup(
+                token_index=torch.tensor([starts[i] for i in rows], device=device),
+                blocks=block_tables[torch.tensor(rows, device=device), :max_blocks].flatten(),
+                mask=mask[:, None, None, :],
+            )
+        )
+
+    prefill_rows = []
+    for i, q_len in enumerate(query_lens):
+        if q_len <= 1:
+            continue
+        seq_len = lens[i]
+        mask = None
+        if q_len != seq_len:
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+        prefill_rows.append(
+            PrefillRow(slice(starts[i], starts[i + 1]), block_tables[i, : -(-seq_len // block_size)], seq_len, mask)
+        )
+    return PagedAttentionPlan(tuple(decode_groups), tuple(prefill_rows))
+
+
+def _length_buckets(rows: list[int], lens: list[int]) -> list[list[int]]:
+    """Decode rows grouped by similar context length, so padding each group to its longest
+    context wastes little of the K/V gather, which dominates CPU decode attention."""
+    buckets: list[list[int]] = []
+    longest = 0
+    for row in sorted(rows, key=lambda i: lens[i], reverse=True):
+        if not buckets or lens[row] < _BUCKET_FILL * longest:
+            buckets.append([])
+            longest = lens[row]
+        buckets[-1].append(row)
+    return buckets
+
+
+def run_paged_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PagedAttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for decode in plan.decode_groups:
+        batch = decode.token_index.shape[0]
+        padded = (batch, decode.mask.shape[-1], num_kv_heads, head_dim)
+        # index_select copies whole blocks in one pass; advanced indexing is markedly slower on CPU.
+        keys = k_cache.index_select(0, decode.blocks).view(padded).transpose(1, 2)
+        values = v_cache.index_select(0, decode.blocks).view(padded).transpose(1, 2)
+        # The query heads sharing a kv head lie along the query axis: GQA without repeating K/V.
+        q = query[decode.token_index].view(batch, num_kv_heads, group, head_dim)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=decode.mask, scale=scale)
+        out[decode.token_index] = attn.reshape(batch, num_heads, head_dim)
+    for prefill in plan.prefill_rows:
+        keys = k_cache.index_select(0, prefill.blocks).flatten(0, 1)[: prefill.seq_len]
+        values = v_cache.index_select(0, prefill.blocks).flatten(0, 1)[: prefill.seq_len]
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        # 4-D inputs: torch's CPU flash kernel only takes batched inputs; 3-D falls back to the
+        # much slower math path.
+        q = query[prefill.rows].transpose(0, 1)[None]  # [1, H, q_len, D]
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        attn = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scale
+        )
+        out[prefill.rows] = attn[0].transpose(0, 1)
+    return out
 
 
 def paged_attention_reference(
@@ -31,73 +141,6 @@ def paged_attention_reference(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
 ) -> torch.Tensor:
-    """Mixed prefill/decode attention. Decode rows (one new token) run as one batched call; rows with
-    several new tokens (prefill chunks) run one sequence at a time, since their shapes differ."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
-    starts = list(query_start_loc)
-    lens = list(seq_lens)
-    query_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
-
-    decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
-    if decode_rows:
-        _decode(query, k_cache, v_cache, starts, lens, block_tables, decode_rows, group, scale, out)
-
-    for i, q_len in enumerate(query_lens):
-        if q_len <= 1:
-            continue
-        seq_len = lens[i]
-        rows = slice(starts[i], starts[i + 1])
-        keys = _gather_context(k_cache, block_tables[i], seq_len)
-        values = _gather_context(v_cache, block_tables[i], seq_len)
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-        # 4-D inputs: torch's CPU flash kernel only takes batched inputs; 3-D falls back to the
-        # much slower math path.
-        q = query[rows].transpose(0, 1)[None]  # [1, H, q_len, D]
-        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-        if q_len == seq_len:
-            attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
-        else:
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-        out[rows] = attn[0].transpose(0, 1)
-    return out
-
-
-def _decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    starts: list[int],
-    lens: list[int],
-    block_tables: torch.Tensor,
-    decode_rows: list[int],
-    group: int,
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    """All single-token rows at once: gather each row's blocks into a padded [B, L] context and mask
-    the tail. The query heads sharing a kv head are laid along the query axis, so GQA needs no
-    K/V repetition."""
-    device = query.device
-    block_size = k_cache.shape[1]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    row_index = torch.tensor(decode_rows, device=device)
-    token_index = torch.tensor([starts[i] for i in decode_rows], device=device)
-    context_lens = torch.tensor([lens[i] for i in decode_rows], device=device)
-    max_blocks = -(-max(lens[i] for i in decode_rows) // block_size)
-    blocks = block_tables[row_index, :max_blocks].flatten()
-    batch = len(decode_rows)
-    padded = (batch, max_blocks * block_size, num_kv_heads, head_dim)
-    # index_select copies whole blocks in one pass; advanced indexing is markedly slower on CPU.
-    keys = k_cache.index_select(0, blocks).view(padded).transpose(1, 2)
-    values = v_cache.index_select(0, blocks).view(padded).transpose(1, 2)
-    q = query[token_index].view(batch, num_kv_heads, group, head_dim)
-    mask = torch.arange(max_blocks * block_size, device=device)[None, :] < context_lens[:, None]
-    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
-    out[token_index] = attn.reshape(batch, num_kv_heads * group, head_dim)
+    """Mixed prefill/decode attention in one call (plans and runs)."""
+    plan = plan_paged_attention(query_start_loc, seq_lens, block_tables, k_cache.shape[1])
+    return run_paged_attention(query, k_cache, v_cache, plan, scale)
