@@ -24,7 +24,7 @@ def smollm2_folder() -> Path:
 
 
 def save_random_hf_model(kind: str, folder: Path) -> Path:
-    """A small random Llama or Qwen3 checkpoint saved by transformers itself (the oracle's own format)."""
+    """A small random Llama, Qwen2 or Qwen3 checkpoint saved by transformers itself (the oracle's own format)."""
     import transformers
 
     common = dict(
@@ -35,6 +35,9 @@ def save_random_hf_model(kind: str, folder: Path) -> Path:
     if kind == "llama":
         config = transformers.LlamaConfig(**common, rope_theta=10000.0)
         model_cls = transformers.LlamaForCausalLM
+    elif kind == "qwen2":  # q/k/v projections with bias
+        config = transformers.Qwen2Config(**common, rope_theta=1000000.0)
+        model_cls = transformers.Qwen2ForCausalLM
     elif kind == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
         model_cls = transformers.Qwen3ForCausalLM

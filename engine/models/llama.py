@@ -64,7 +64,8 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (first half of head_dim rotates with the second half)."""
+    """Neox-style rotary embedding (first half of head_dim rotates with the second half). The
+    float32 cos/sin tables are indexed once per step; every layer reuses the result."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -73,14 +74,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        rotated = []
-        for x in tensors:  # [T, heads, head_dim]
-            cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-            sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-            x1, x2 = x.chunk(2, dim=-1)
-            rotated.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
-        return rotated
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, head_dim / 2] in the activations' dtype, as HF rounds them."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # x: [T, heads, head_dim]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -102,9 +103,8 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
@@ -117,7 +117,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.backend(q, k, v, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -143,16 +143,15 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, rotary, k_cache, v_cache, metadata)
+        hidden = self.self_attn(hidden, rope, k_cache, v_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -182,9 +181,10 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary(positions, hidden.dtype)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, self.model.rotary, k_cache, v_cache, metadata)
+            hidden, residual = layer(hidden, residual, rope, k_cache, v_cache, metadata)
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32

@@ -64,7 +64,7 @@ def smollm2_case(smollm2_folder):
     return str(smollm2_folder), prompts, expected
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def random_case(request, tmp_path_factory):
     import transformers
 
