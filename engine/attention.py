@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from kernels.cpu_decode_attention import load_decode_kernel
 from kernels.kv_cache_write import write_kv_cache_reference
 from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention, run_paged_attention
 
@@ -44,10 +45,12 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """The CPU path. Plans the batch layout once per step (on the first layer that sees the step's
-    metadata) and reuses the plan in every other layer."""
+    """The CPU path: torch ops, with decode rows in the C++ decode kernel where it could be built.
+    Plans the batch layout once per step (on the first layer that sees the step's metadata) and
+    reuses the plan in every other layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, use_decode_kernel: bool) -> None:
+        self.use_decode_kernel = use_decode_kernel
         self._planned_for: AttentionMetadata | None = None
         self._plan: PagedAttentionPlan | None = None
 
@@ -63,7 +66,11 @@ class TorchAttention:
     ) -> torch.Tensor:
         if self._planned_for is not metadata:
             self._plan = plan_paged_attention(
-                metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, k_cache.shape[1]
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                metadata.block_tables,
+                k_cache.shape[1],
+                use_decode_kernel=self.use_decode_kernel,
             )
             self._planned_for = metadata
         write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)
@@ -71,6 +78,9 @@ class TorchAttention:
 
 
 def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name in ("auto", "torch"):
-        return TorchAttention()
+    """"auto": torch with the C++ decode kernel on CPU (when it builds); "torch": torch ops only."""
+    if name == "auto":
+        return TorchAttention(use_decode_kernel=device.type == "cpu" and load_decode_kernel() is not None)
+    if name == "torch":
+        return TorchAttention(use_decode_kernel=False)
     raise ValueError(f"unknown attention backend {name!r}; available: 'auto', 'torch'")
