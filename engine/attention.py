@@ -12,7 +12,6 @@ from typing import Protocol
 
 import torch
 
-from kernels.cpu_decode_attention import load_decode_kernel
 from kernels.kv_cache_write import write_kv_cache_reference
 from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention, run_paged_attention
 
@@ -74,13 +73,5 @@ class TorchAttention:
             )
             self._planned_for = metadata
         write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)
-        return run_paged_attention(query, k_cache, v_cache, self._plan, scale)
+        return run_paged_attention(query, k_cache, v_cache, self._plan, scale, new_key=key, new_value=value)
 
-
-def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto": torch with the C++ decode kernel on CPU (when it builds); "torch": torch ops only."""
-    if name == "auto":
-        return TorchAttention(use_decode_kernel=device.type == "cpu" and load_decode_kernel() is not None)
-    if name == "torch":
-        return TorchAttention(use_decode_kernel=False)
-    raise ValueError(f"unknown attention backend {name!r}; available: 'auto', 'torch'")

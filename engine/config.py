@@ -84,7 +84,7 @@ class EngineConfig:
     preemption_mode: PreemptionMode = "recompute"
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds requests that do not carry their own seed
-    attention_backend: Literal["auto", "torch"] = "auto"  # "torch": no C++ decode kernel on CPU
+    cpu_kernels: bool = True  # on CPU, C++ decode attention and RMSNorm where they build; False: torch only
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

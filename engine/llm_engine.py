@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from engine.attention import TorchAttention
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer, decode_complete
@@ -22,13 +23,13 @@ from engine.loader import init_dummy_weights, iter_safetensors
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
-from engine.attention import select_attention_backend
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+from kernels.cpu_kernels import load_cpu_kernels
 
 
 @dataclass
@@ -101,9 +102,11 @@ class LLMEngine:
         self._seed_rng = random.Random(self.config.seed)
 
     def _build_model(self, load_format: str, path: object) -> LlamaForCausalLM:
-        backend = select_attention_backend(self.config.attention_backend, self.device)
+        use_cpu_kernels = self.config.cpu_kernels and self.device.type == "cpu" and load_cpu_kernels() is not None
         with torch.device(self.device):
-            model = LlamaForCausalLM(self.model_config, backend).to(self.dtype)
+            model = LlamaForCausalLM(
+                self.model_config, TorchAttention(use_decode_kernel=use_cpu_kernels), use_cpu_kernels
+            ).to(self.dtype)
         if load_format == "dummy":
             init_dummy_weights(model, seed=self.config.seed)
         else:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode_attention import paged_decode_attention
+from kernels.cpu_kernels import paged_decode_attention
 
 _BUCKET_FILL = 0.8  # a decode group's shortest context is at least this share of its longest
 # Rows per decode group: small enough that a group's gathered K/V stay in the CPU's caches until
@@ -130,7 +130,11 @@ def run_paged_attention(
     v_cache: torch.Tensor,
     plan: PagedAttentionPlan,
     scale: float,
+    new_key: torch.Tensor | None = None,  # [T, num_kv_heads, head_dim]: this step's keys, already in the cache
+    new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Prefill rows without a cached prefix attend to `new_key`/`new_value` when given (the same
+    values the cache holds, without reading them back)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -151,17 +155,17 @@ def run_paged_attention(
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=decode.mask, scale=scale)
         out[decode.token_index] = attn.reshape(batch, num_heads, head_dim)
     for prefill in plan.prefill_rows:
-        keys = k_cache.index_select(0, prefill.blocks).flatten(0, 1)[: prefill.seq_len]
-        values = v_cache.index_select(0, prefill.blocks).flatten(0, 1)[: prefill.seq_len]
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
+        if prefill.mask is None and new_key is not None and new_value is not None:
+            keys, values = new_key[prefill.rows], new_value[prefill.rows]  # no prefix: what was just written
+        else:
+            keys = k_cache.index_select(0, prefill.blocks).flatten(0, 1)[: prefill.seq_len]
+            values = v_cache.index_select(0, prefill.blocks).flatten(0, 1)[: prefill.seq_len]
         # 4-D inputs: torch's CPU flash kernel only takes batched inputs; 3-D falls back to the
         # much slower math path.
         q = query[prefill.rows].transpose(0, 1)[None]  # [1, H, q_len, D]
         keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         attn = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scale
+            q, keys, values, attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scale, enable_gqa=group > 1
         )
         out[prefill.rows] = attn[0].transpose(0, 1)
     return out

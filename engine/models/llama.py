@@ -17,27 +17,29 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from kernels import cpu_kernels
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (torch's fused kernel, which accumulates in float32), optionally fused with the
-    residual add that precedes it."""
+    """RMSNorm with float32 statistics, optionally fused with the residual add that precedes it.
+    With `use_cpu_kernel`, contiguous inputs go through the one-pass C++ kernel (which updates the
+    residual in place); otherwise torch's rms_norm."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, use_cpu_kernel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        self.use_cpu_kernel = use_cpu_kernel
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, residual for the next layer) where the new residual is x + residual."""
+        if self.use_cpu_kernel and x.is_contiguous():
+            return cpu_kernels.rms_norm(x, residual, self.weight, self.eps), (x if residual is None else residual)
         if residual is not None:
             x = x + residual
-        return self._norm(x), x
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -120,6 +122,11 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
+# On CPU a large prefill step runs the MLP in slices of this many tokens, so its wide intermediate
+# stays in the caches between the matmuls and the activation (measured 1.6x on an 8192-token step).
+_CPU_MLP_SLICE_TOKENS = 2048
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -127,17 +134,22 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.shape[0] > _CPU_MLP_SLICE_TOKENS:
+            return torch.cat([self._forward(part) for part in x.split(_CPU_MLP_SLICE_TOKENS)])
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, use_cpu_kernels: bool) -> None:
         super().__init__()
         self.self_attn = Attention(config, backend)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_cpu_kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_cpu_kernels)
 
     def forward(
         self,
@@ -155,19 +167,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, use_cpu_kernels: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, use_cpu_kernels) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_cpu_kernels)
         self.rotary = RotaryEmbedding(config)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, use_cpu_kernels: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.model = LlamaModel(config, backend, use_cpu_kernels)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

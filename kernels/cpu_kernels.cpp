@@ -1,27 +1,3 @@
-"""Paged decode attention for the CPU, as a small C++ kernel built on first use.
-
-Decode on a CPU is bound by memory bandwidth. The torch path (`paged_attention.py`) has to gather
-each sequence's blocks into a padded copy before SDPA can read them: three passes over the K/V
-bytes. This kernel reads K/V once, straight through the block tables, with an online softmax per
-block, for all query heads of a kv head at a time (GQA reads K/V once per group). Its oracle is
-`paged_attention_reference`.
-
-The extension compiles with torch's cpp_extension (ninja + the system C++ compiler) into
-`$TORCH_EXTENSIONS_DIR`, once per machine. Where it cannot be built, `load_decode_kernel()` returns
-None and the engine keeps the torch path.
-"""
-
-from __future__ import annotations
-
-import logging
-from functools import cache
-from types import ModuleType
-
-import torch
-
-log = logging.getLogger(__name__)
-
-_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -73,15 +49,30 @@ static void decode_kernel(
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = &q[j * head_dim];
           float* sj = &scores[j * block_size];
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < tokens; ++t) {
+          // Four tokens per pass: four independent accumulators hide the reduction latency.
+          int64_t t = 0;
+          for (; t + 4 <= tokens; t += 4) {
+            const float* k0 = &keys[t * head_dim];
+            const float *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int64_t d = 0; d < head_dim; ++d) {
+              s0 += qj[d] * k0[d];
+              s1 += qj[d] * k1[d];
+              s2 += qj[d] * k2[d];
+              s3 += qj[d] * k3[d];
+            }
+            sj[t] = s0, sj[t + 1] = s1, sj[t + 2] = s2, sj[t + 3] = s3;
+          }
+          for (; t < tokens; ++t) {
             const float* k = &keys[t * head_dim];
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < head_dim; ++d) s += qj[d] * k[d];
             sj[t] = s;
-            block_max = std::max(block_max, s);
           }
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (t = 0; t < tokens; ++t) block_max = std::max(block_max, sj[t]);
           const float new_max = std::max(running_max[j], block_max);
           const float correction = std::exp(running_max[j] - new_max);
           float* aj = &acc[j * head_dim];
@@ -94,7 +85,14 @@ static void decode_kernel(
           running_sum[j] = running_sum[j] * correction + block_sum;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) aj[d] *= correction;
-          for (int64_t t = 0; t < tokens; ++t) {
+          for (t = 0; t + 4 <= tokens; t += 4) {
+            const float p0 = sj[t], p1 = sj[t + 1], p2 = sj[t + 2], p3 = sj[t + 3];
+            const float* v0 = &values[t * head_dim];
+            const float *v1 = v0 + head_dim, *v2 = v1 + head_dim, *v3 = v2 + head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) aj[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+          }
+          for (; t < tokens; ++t) {
             const float p = sj[t];
             const float* v = &values[t * head_dim];
 #pragma omp simd
@@ -131,40 +129,55 @@ void paged_decode_attention(
   });
 }
 
+// RMSNorm over the last dimension, optionally after adding a residual (then `residual` is updated
+// in place to x + residual, rounded to the tensor's dtype as an unfused add would be). Statistics
+// in float32; the normalised value is rounded before the weight multiplies it, as Hugging Face
+// Llama does, so float32 runs match it and bf16 runs round the same way.
+template <typename scalar_t>
+static void rms_norm_kernel(const scalar_t* x, scalar_t* residual, const scalar_t* weight, scalar_t* out,
+                            int64_t rows, int64_t size, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(size);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * size;
+      float sum_sq = 0.f;
+      if (residual != nullptr) {
+        scalar_t* rr = residual + r * size;
+        for (int64_t i = 0; i < size; ++i) {
+          const scalar_t added = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          rr[i] = added;
+          h[i] = static_cast<float>(added);
+        }
+      } else {
+        for (int64_t i = 0; i < size; ++i) h[i] = static_cast<float>(xr[i]);
+      }
+#pragma omp simd reduction(+ : sum_sq)
+      for (int64_t i = 0; i < size; ++i) sum_sq += h[i] * h[i];
+      const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(size) + eps);
+      scalar_t* o = out + r * size;
+      for (int64_t i = 0; i < size; ++i) {
+        const float normed = static_cast<float>(static_cast<scalar_t>(h[i] * inv));
+        o[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * normed);
+      }
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm needs contiguous inputs");
+  TORCH_CHECK(!residual.has_value() || residual->is_contiguous(), "rms_norm needs a contiguous residual");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and input dtypes differ");
+  auto out = torch::empty_like(x);
+  const int64_t size = x.size(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
+                              weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel() / size, size,
+                              static_cast<float>(eps));
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm with an optional in-place residual add (CPU)");
 }
-"""
-
-
-@cache
-def load_decode_kernel() -> ModuleType | None:
-    """The compiled extension, or None where it cannot be built (no compiler, no ninja)."""
-    from torch.utils import cpp_extension
-
-    try:
-        return cpp_extension.load_inline(
-            name="conveyor_cpu_decode_attention_v4",
-            cpp_sources=[_SOURCE],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as error:  # any build failure means: use the torch path
-        log.warning("CPU decode attention kernel unavailable, using the torch path: %s", error)
-        return None
-
-
-def paged_decode_attention(
-    query: torch.Tensor,  # [T, num_heads, head_dim]; head_dim contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32: context length of each decode row
-    token_index: torch.Tensor,  # [B] int64: the query row of each decode sequence
-    scale: float,
-    out: torch.Tensor,  # [T, num_heads, head_dim]: rows in token_index are written
-) -> None:
-    kernel = load_decode_kernel()
-    if kernel is None:
-        raise RuntimeError("the CPU decode attention kernel could not be built")
-    kernel.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale)
