@@ -82,6 +82,8 @@ ENGINE_SETUPS = {
     "chunked_prefill": {"max_num_batched_tokens": 16},
     # 24 blocks of 4 tokens cannot hold 16 sequences at once: forces recompute preemption
     "preemption": {"block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 64},
+    # the pure torch path (no C++ CPU kernels), chunked so that cached prefixes are read back
+    "torch_only": {"cpu_kernels": False, "max_num_batched_tokens": 16},
 }
 
 

@@ -1,0 +1,83 @@
+"""The C++ CPU kernels against their torch oracles, on random (never zero) inputs with ragged
+lengths, block-boundary lengths, GQA ratios 1/3/4/8 and both dtypes; outputs poisoned first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_kernels import load_cpu_kernels, paged_decode_attention, rms_norm
+from kernels.paged_attention import paged_attention_reference
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (9, 3, 64), (8, 2, 128), (16, 2, 64)]
+)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_decode_attention_matches_the_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    generator = torch.Generator().manual_seed(num_heads * block_size)
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size, 77, 130]
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = len(seq_lens) * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    # Scattered, non-overlapping block tables.
+    block_tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
+    block_tables = block_tables.view(len(seq_lens), max_blocks).int()
+    # One query row per sequence, laid out as a strided slice of a wider fused projection.
+    fused = torch.randn(len(seq_lens), num_heads + 2 * num_kv_heads, head_dim, generator=generator).to(dtype)
+    query = fused[:, :num_heads]
+    scale = head_dim**-0.5
+
+    expected = paged_attention_reference(
+        query, k_cache, v_cache, list(range(len(seq_lens) + 1)), seq_lens, block_tables, scale
+    )
+    out = torch.full((len(seq_lens), num_heads, head_dim), float("nan"), dtype=dtype)
+    paged_decode_attention(
+        query, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32),
+        torch.arange(len(seq_lens)), scale, out,
+    )
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_paged_decode_attention_writes_only_its_rows():
+    k_cache = torch.randn(8, 4, 2, 64)
+    v_cache = torch.randn(8, 4, 2, 64)
+    query = torch.randn(5, 2, 64)
+    out = torch.full_like(query, float("nan"))
+    token_index = torch.tensor([1, 3])
+    paged_decode_attention(
+        query, k_cache, v_cache, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        torch.tensor([5, 8], dtype=torch.int32), token_index, 0.125, out,
+    )
+    assert not out[token_index].isnan().any()
+    assert out[[0, 2, 4]].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_expression(dtype, rows, with_residual):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=generator).to(dtype)
+    residual = torch.randn(rows, 576, generator=generator).to(dtype) if with_residual else None
+    weight = torch.randn(576, generator=generator).to(dtype)
+    summed = x + residual if with_residual else x
+    # Hugging Face Llama's RMSNorm: float32 statistics, rounded before the weight multiplies it.
+    as_float = summed.float()
+    expected = weight * (as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+
+    given_residual = residual.clone() if with_residual else None
+    out = rms_norm(x, given_residual, weight, 1e-5)
+
+    tolerance = 1e-5 if dtype == torch.float32 else 0.0
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+    if with_residual:
+        assert torch.equal(given_residual, summed), "the residual must be updated to x + residual"
+    torch.testing.assert_close(out, F.rms_norm(summed, (576,), weight, 1e-5), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
