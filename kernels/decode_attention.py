@@ -20,6 +20,7 @@ from kernels.prefill_attention import prefill_attention_reference
 from kernels.triton_utils import (
     dot_in_fp32,
     key_tile_length,
+    load_kv_tile,
     matmul,
     multiprocessor_count,
     next_power_of_2,
@@ -97,16 +98,10 @@ def _decode_partition_kernel(
     for tile_start in range(split_start, split_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         valid = positions < split_end
-        block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        token_offsets = (
-            block_ids * cache_stride_block
-            + (positions % BLOCK_SIZE) * cache_stride_offset
-            + kv_head * cache_stride_head
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, positions, valid, kv_head, dims, dim_mask,
+            cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE,
         )
-        kv_offsets = token_offsets[:, None] + dims[None, :]
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
 
         scores = matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))

@@ -25,6 +25,7 @@ from kernels.triton_utils import (
     dot_in_fp32,
     interpreter_enabled,
     key_tile_length,
+    load_kv_tile,
     matmul,
     next_power_of_2,
     require_triton,
@@ -108,16 +109,10 @@ def _prefill_attention_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         key_positions = tile_start + tl.arange(0, BLOCK_N)
         key_valid = key_positions < kv_end
-        block_ids = tl.load(block_table + key_positions // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        token_offsets = (
-            block_ids * cache_stride_block
-            + (key_positions % BLOCK_SIZE) * cache_stride_offset
-            + kv_head * cache_stride_head
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, key_positions, key_valid, kv_head, dims, dim_mask,
+            cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE,
         )
-        kv_offsets = token_offsets[:, None] + dims[None, :]
-        kv_mask = key_valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
 
         scores = matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2
         visible = key_valid[None, :] & (key_positions[None, :] <= query_positions[:, None])

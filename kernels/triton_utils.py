@@ -86,3 +86,31 @@ def matmul(a, b, IN_FP32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table,
+    positions,
+    valid,
+    kv_head,
+    dims,
+    dim_mask,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """K and V at context `positions` of one sequence ([tile, head_dim] each), read through its
+    block table; rows where `valid` is False load zeros."""
+    block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    token_offsets = (
+        block_ids * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_offset + kv_head * cache_stride_head
+    )
+    kv_offsets = token_offsets[:, None] + dims[None, :]
+    kv_mask = valid[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    return k, v

@@ -100,20 +100,20 @@ def test_smollm2_single_prompt_matches_hf(smollm2_case):
     assert got == expected[:1]
 
 
-@pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
-def test_smollm2_batch_matches_hf(smollm2_case, setup):
-    folder, prompts, expected = smollm2_case
-    llm, got = run_engine(folder, prompts, setup, ignore_eos=False)
-    assert got == expected
-    if setup == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
-
-
-@pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
-def test_random_models_match_hf(random_case, setup):
-    folder, prompts, expected = random_case
-    llm, got = run_engine(folder, prompts, setup, ignore_eos=True)
+def check_against_hf(case, setup: str, ignore_eos: bool) -> None:
+    folder, prompts, expected = case
+    llm, got = run_engine(folder, prompts, setup, ignore_eos=ignore_eos)
     assert got == expected
     if setup == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
+def test_smollm2_batch_matches_hf(smollm2_case, setup):
+    check_against_hf(smollm2_case, setup, ignore_eos=False)
+
+
+@pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
+def test_random_models_match_hf(random_case, setup):
+    check_against_hf(random_case, setup, ignore_eos=True)
