@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 
@@ -101,7 +102,7 @@ class LLMEngine:
         self._arrivals = 0
         self._seed_rng = random.Random(self.config.seed)
 
-    def _build_model(self, load_format: str, path: object) -> LlamaForCausalLM:
+    def _build_model(self, load_format: str, path: Path | None) -> LlamaForCausalLM:
         use_cpu_kernels = self.config.cpu_kernels and self.device.type == "cpu" and load_cpu_kernels() is not None
         with torch.device(self.device):
             model = LlamaForCausalLM(
@@ -110,7 +111,8 @@ class LLMEngine:
         if load_format == "dummy":
             init_dummy_weights(model, seed=self.config.seed)
         else:
-            model.load_weights(iter_safetensors(path))  # type: ignore[arg-type]
+            assert path is not None, "a safetensors source always has a folder"
+            model.load_weights(iter_safetensors(path))
         # The rotary tables stay float32 whatever the weights' dtype: positions need the precision.
         model.model.rotary.float()
         return model.eval()
@@ -128,6 +130,12 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._validate_prompt(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}): {params.stop_token_ids}")
+        needs_text_early = bool(params.stop) or stream
+        if needs_text_early and self.tokenizer is None:
+            raise ValueError("stop strings and streaming text need a tokenizer; this model has none")
         request = _Request(request_id, list(prompt_token_ids), params, stream)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         arrival = self._arrivals
@@ -144,9 +152,6 @@ class LLMEngine:
                 arrival_order=arrival,
             )
             self._next_seq_id += 1
-            needs_text_early = bool(params.stop) or stream
-            if needs_text_early and self.tokenizer is None:
-                raise ValueError("stop strings and streaming text need a tokenizer; this model has none")
             state = _SampleState(
                 seq=seq,
                 detokenizer=(
@@ -188,10 +193,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
 
     # ---- the step -------------------------------------------------------------------------
 
