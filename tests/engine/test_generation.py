@@ -324,6 +324,8 @@ def test_token_ids_out_of_vocab_are_rejected(llm: LLM) -> None:
     for bad in ([1, vocab], [-1, 5]):
         with pytest.raises(ValueError, match="out of range"):
             llm.generate([bad], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids must be in"):
+        llm.generate([[1, 2]], SamplingParams(temperature=0.0, stop_token_ids=[vocab]), use_tqdm=False)
     assert_idle(llm)
 
 
