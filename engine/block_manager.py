@@ -6,16 +6,15 @@ and return to the pool the step their last owner lets go of them.
 
 from __future__ import annotations
 
-from collections import deque
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack: the most recently freed block is reused first, while it is still in the CPU's
+        # caches and its pages are mapped (a fresh page of the lazily zeroed pool faults on first write).
+        self._free: list[int] = list(reversed(range(num_blocks)))
         self._ref_counts = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
 
@@ -40,7 +39,7 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks: need {needed}, {len(self._free)} free")
         table = self._tables.setdefault(seq_id, [])
         for _ in range(needed):
-            block = self._free.popleft()
+            block = self._free.pop()
             self._ref_counts[block] = 1
             table.append(block)
 

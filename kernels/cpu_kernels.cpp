@@ -4,6 +4,25 @@
 #include <limits>
 #include <vector>
 
+// Widen n values to float. The bfloat16 case is spelled as the bit shift it is, which the compiler
+// vectorizes; c10::BFloat16's conversion operator it does not.
+template <typename scalar_t>
+static inline void widen(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+// Below any real score, and finite: the kernels are built with -ffast-math (vectorized exp),
+// under which infinities are not allowed. exp(kNoScore - score) is exactly 0.
+constexpr float kNoScore = -1e30f;
+
 template <typename scalar_t>
 static void decode_kernel(
     const scalar_t* query, int64_t query_row_stride, int64_t query_head_stride,
@@ -26,7 +45,7 @@ static void decode_kernel(
       for (int64_t j = 0; j < group; ++j) {
         const scalar_t* src = query + row * query_row_stride + (kv_head * group + j) * query_head_stride;
         for (int64_t d = 0; d < head_dim; ++d) q[j * head_dim + d] = static_cast<float>(src[d]) * scale;
-        running_max[j] = -std::numeric_limits<float>::infinity();
+        running_max[j] = kNoScore;
         running_sum[j] = 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -38,13 +57,8 @@ static void decode_kernel(
         const scalar_t* v_block = v_cache + block * block_size * slot_stride + kv_head * head_dim;
         // Widen the block's K and V once; every query head of the group then reads floats.
         for (int64_t t = 0; t < tokens; ++t) {
-          const scalar_t* k = k_block + t * slot_stride;
-          const scalar_t* v = v_block + t * slot_stride;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) {
-            keys[t * head_dim + d] = static_cast<float>(k[d]);
-            values[t * head_dim + d] = static_cast<float>(v[d]);
-          }
+          widen(k_block + t * slot_stride, &keys[t * head_dim], head_dim);
+          widen(v_block + t * slot_stride, &values[t * head_dim], head_dim);
         }
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = &q[j * head_dim];
@@ -71,7 +85,7 @@ static void decode_kernel(
             for (int64_t d = 0; d < head_dim; ++d) s += qj[d] * k[d];
             sj[t] = s;
           }
-          float block_max = -std::numeric_limits<float>::infinity();
+          float block_max = kNoScore;
           for (t = 0; t < tokens; ++t) block_max = std::max(block_max, sj[t]);
           const float new_max = std::max(running_max[j], block_max);
           const float correction = std::exp(running_max[j] - new_max);

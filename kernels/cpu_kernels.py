@@ -34,7 +34,7 @@ def load_cpu_kernels() -> ModuleType | None:
         return cpp_extension.load(
             name="conveyor_cpu_kernels",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as error:  # any build failure means: use the torch path
