@@ -115,6 +115,8 @@ class LLMEngine:
             model.load_weights(iter_safetensors(path))
         # The rotary tables stay float32 whatever the weights' dtype: positions need the precision.
         model.model.rotary.float()
+        if use_cpu_kernels and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            model.pack_linears_for_cpu()
         return model.eval()
 
     # ---- requests -------------------------------------------------------------------------
