@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from kernels.paged_attention import paged_attention_reference
 from kernels.triton_utils import (
     dot_in_fp32,
     interpreter_enabled,
@@ -212,12 +213,6 @@ def prefill_attention(
     return out
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[length, num_kv_heads, head_dim]: one sequence's cache rows, read through its block table."""
-    num_blocks = -(-length // cache.shape[1])
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
-
-
 def prefill_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -227,21 +222,10 @@ def prefill_attention_reference(
     block_tables: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Plain-torch `prefill_attention`, one sequence at a time, in float32. Rows of q past
-    query_start_loc[-1] come back uninitialized."""
-    group_size = q.shape[1] // k_cache.shape[2]
-    out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    for seq, seq_len in enumerate(seq_lens.tolist()):
-        rows = slice(starts[seq], starts[seq + 1])
-        q_len = starts[seq + 1] - starts[seq]
-        if q_len == 0:
-            continue
-        keys = _gather_context(k_cache, block_tables[seq], seq_len).float().repeat_interleave(group_size, dim=1)
-        values = _gather_context(v_cache, block_tables[seq], seq_len).float().repeat_interleave(group_size, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * scale
-        query_positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        hidden = torch.arange(seq_len, device=q.device)[None, :] > query_positions[:, None]
-        scores = scores.masked_fill(hidden, float("-inf"))
-        out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
-    return out
+    """Plain-torch `prefill_attention`: the engine's torch paged attention, run in float32 so the
+    oracle is more precise than the bf16 kernel it checks. Rows of q past query_start_loc[-1] come
+    back uninitialized."""
+    out = paged_attention_reference(
+        q.float(), k_cache.float(), v_cache.float(), query_start_loc.tolist(), seq_lens.tolist(), block_tables, scale
+    )
+    return out.to(q.dtype)
