@@ -10,6 +10,7 @@ Single-threaded by design; `EngineLoop` drives it from its own thread for concur
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -22,12 +23,13 @@ from engine.detokenizer import IncrementalDetokenizer, decode_complete
 from engine.kv_cache import allocate_kv_cache, num_kv_blocks
 from engine.loader import init_dummy_weights, iter_safetensors
 from engine.model_registry import DEFAULT_MODEL, resolve_model
+from engine.metrics import EngineStats, StepCounters
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from kernels.cpu_kernels import load_cpu_kernels
@@ -101,6 +103,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._arrivals = 0
         self._seed_rng = random.Random(self.config.seed)
+        self.counters = StepCounters()
 
     def _build_model(self, load_format: str, path: Path | None) -> LlamaForCausalLM:
         use_cpu_kernels = self.config.cpu_kernels and self.device.type == "cpu" and load_cpu_kernels() is not None
@@ -187,6 +190,7 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return None
+        self.counters.requests_finished += 1
         for state in request.samples:
             if state.finish_reason is None:
                 state.finish_reason = "abort"
@@ -200,9 +204,43 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns outputs of requests that finished, plus snapshots of streaming ones."""
+        started = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        prompt_tokens = sum(
+            max(0, min(item.start_position + item.num_new_tokens, len(self._seqs[item.seq_id].prompt_token_ids)) - item.start_position)
+            for item in out.scheduled
+        )
+        outputs = self._run(out)
+        counters = self.counters
+        counters.steps += 1
+        counters.last_step_seconds = time.perf_counter() - started
+        counters.step_seconds += counters.last_step_seconds
+        counters.prompt_tokens_computed += prompt_tokens
+        counters.generation_tokens += sum(item.needs_sample for item in out.scheduled)
+        counters.requests_finished += sum(output.finished for output in outputs)
+        counters.last_step_tokens = out.num_batched_tokens
+        counters.last_step_sequences = len(out.scheduled)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        running = self.scheduler.running
+        manager = self.block_manager
+        return EngineStats(
+            counters=self.counters.snapshot(),
+            num_running=len(running),
+            num_waiting=len(self.scheduler.waiting),
+            preemptions_recompute=self.scheduler.num_preemptions,
+            block_size=manager.block_size,
+            kv_blocks_total=manager.num_blocks,
+            kv_blocks_used=manager.num_blocks - manager.num_free_blocks,
+            kv_slots_unused=sum(
+                len(manager.block_table(seq.seq_id)) * manager.block_size - seq.num_computed_tokens for seq in running
+            ),
+        )
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         sampling = [self._seqs[item.seq_id] for item in out.scheduled if item.needs_sample]
         rows = [
             SamplingRow(

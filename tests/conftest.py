@@ -23,6 +23,21 @@ def smollm2_folder() -> Path:
     return source.path
 
 
+@pytest.fixture
+def tiny_dummy_model(tmp_path: Path) -> Path:
+    """A config-only folder of a tiny Qwen3 (q/k norms, explicit head_dim), for load_format="dummy"."""
+    import json
+
+    config = {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 256,
+        "tie_word_embeddings": True, "eos_token_id": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
 def save_random_hf_model(kind: str, folder: Path) -> Path:
     """A small random Llama, Qwen2 or Qwen3 checkpoint saved by transformers itself (the oracle's own format)."""
     import transformers

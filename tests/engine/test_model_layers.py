@@ -25,21 +25,13 @@ def test_packed_linear_equals_f_linear(tokens, bias):
     torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
 
 
-def test_engine_runs_a_dummy_weight_model_from_a_config_folder(tmp_path):
+
+def test_engine_runs_a_dummy_weight_model_from_a_config_folder(tiny_dummy_model):
     """Benchmarks run named shapes with random weights: the engine must build and run one from a
     config alone (a tiny Qwen3 here, with q/k norms and an explicit head_dim)."""
-    import json
-
     from engine import LLM, SamplingParams
 
-    config = {
-        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 256,
-        "tie_word_embeddings": True, "eos_token_id": 2,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    llm = LLM(model=str(tmp_path), load_format="dummy", dtype="bfloat16", device="cpu")
+    llm = LLM(model=str(tiny_dummy_model), load_format="dummy", dtype="bfloat16", device="cpu")
     outputs = llm.generate([[5, 6, 7], [8] * 40], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 5]
     assert all(0 <= t < 300 for o in outputs for t in o.outputs[0].token_ids)
