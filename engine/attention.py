@@ -22,12 +22,8 @@ class AttentionMetadata:
 
     query_start_loc: list[int]  # [B + 1] host copy: sequence i owns query rows [qsl[i], qsl[i+1])
     seq_lens: list[int]  # [B] host copy: context length after this step's tokens
-    query_start_loc_tensor: torch.Tensor  # [B + 1] int32 on the device
-    seq_lens_tensor: torch.Tensor  # [B] int32 on the device
     block_tables: torch.Tensor  # [B, max_blocks] int32 on the device, padded with 0
     slot_mapping: torch.Tensor  # [T] int64 on the device: cache slot of each new token
-    max_query_len: int
-    max_seq_len: int
 
 
 class AttentionBackend(Protocol):

@@ -66,12 +66,8 @@ class ModelRunner:
         metadata = AttentionMetadata(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            query_start_loc_tensor=as_tensor(query_start_loc, torch.int32),
-            seq_lens_tensor=as_tensor(seq_lens, torch.int32),
             block_tables=as_tensor(tables, torch.int32),
             slot_mapping=as_tensor(slots, torch.int64),
-            max_query_len=max(item.num_new_tokens for item in output.scheduled),
-            max_seq_len=max(seq_lens),
         )
         return (
             as_tensor(token_ids, torch.int64),
