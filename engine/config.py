@@ -81,7 +81,11 @@ class EngineConfig:
     kv_cache_memory: int = 4 * 1024**3  # bytes of KV cache on CPU
     gpu_memory_utilization: float = 0.90  # fraction of GPU memory the engine may use in total (CUDA)
     num_kv_blocks: int | None = None  # overrides both memory budgets: exact number of KV blocks
-    preemption_mode: PreemptionMode = "recompute"
+    preemption_mode: PreemptionMode = "swap"  # "recompute" frees a victim's blocks and recomputes them later
+    swap_space: int = 4 * 1024**3  # bytes of host memory for swapped-out blocks (pinned on CUDA)
+    max_swap_blocks_per_step: int = 1024  # blocks moved per direction per step: a bandwidth cap
+    admission_watermark: float = 0.01  # fraction of KV blocks kept free when admitting or swapping in
+    enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds requests that do not carry their own seed
     cpu_kernels: bool = True  # on CPU, C++ decode attention and RMSNorm where they build; False: torch only
@@ -95,8 +99,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.preemption_mode == "swap":
-            raise NotImplementedError("swap preemption is not implemented yet; use preemption_mode='recompute'")
+        if self.swap_space < 0 or self.max_swap_blocks_per_step < 0:
+            raise ValueError("swap_space and max_swap_blocks_per_step must be >= 0")
+        if not 0.0 <= self.admission_watermark < 1.0:
+            raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -38,6 +38,26 @@ def allocate_kv_cache(
     return [tuple(_zeros(shape, dtype, device).unbind(0)) for _ in range(model.num_hidden_layers)]
 
 
+def num_host_blocks(model: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
+    """Blocks of the host pool that swap preemption parks sequences in: `swap_space` bytes."""
+    if config.preemption_mode != "swap":
+        return 0
+    return config.swap_space // bytes_per_block(model, config.block_size, dtype)
+
+
+def allocate_host_kv_cache(
+    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The host pool mirrors the device pool's layout. Pinned when the device is a GPU, so blocks
+    cross PCIe by DMA at full speed; a CPU engine's host pool is plain (lazily committed) memory."""
+    if num_blocks == 0:
+        return []
+    shape = (2, num_blocks, block_size, model.num_key_value_heads, model.head_dim)
+    if device.type == "cpu":
+        return [tuple(_zeros(shape, dtype, device).unbind(0)) for _ in range(model.num_hidden_layers)]
+    return [tuple(torch.empty(shape, dtype=dtype, pin_memory=True).unbind(0)) for _ in range(model.num_hidden_layers)]
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeroed, because attention reads whole blocks and masks the unused tail: uninitialised memory
     could hold NaN bit patterns, and a masked NaN still poisons the softmax. On CPU numpy's calloc

@@ -20,7 +20,7 @@ from engine.attention import TorchAttention
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer, decode_complete
-from engine.kv_cache import allocate_kv_cache, num_kv_blocks
+from engine.kv_cache import allocate_host_kv_cache, allocate_kv_cache, bytes_per_block, num_host_blocks, num_kv_blocks
 from engine.loader import init_dummy_weights, iter_safetensors
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.metrics import EngineStats, StepCounters
@@ -51,6 +51,9 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
+    priority: int
+    arrival_order: int
+    base_seed: int  # sample i draws with base_seed + i
     samples: list[_SampleState] = field(default_factory=list)
 
     @property
@@ -86,11 +89,15 @@ class LLMEngine:
         self.eos_token_ids: tuple[int, ...] = eos
 
         self.model = self._build_model(source.load_format, source.path)
-        num_blocks = num_kv_blocks(self.model_config, self.config, self.device, self.dtype)
-        kv_caches = allocate_kv_cache(self.model_config, num_blocks, self.config.block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, self.device)
+        config, block_size = self.config, self.config.block_size
+        num_blocks = num_kv_blocks(self.model_config, config, self.device, self.dtype)
+        num_host = num_host_blocks(self.model_config, config, self.dtype)
+        kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
+        host_caches = allocate_host_kv_cache(self.model_config, num_host, block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, block_size, num_host, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.model, kv_caches, host_caches, block_size, self.device)
+        self._bytes_per_block = bytes_per_block(self.model_config, block_size, self.dtype)
         self.max_model_len = min(
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -138,39 +145,64 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}): {params.stop_token_ids}")
-        needs_text_early = bool(params.stop) or stream
-        if needs_text_early and self.tokenizer is None:
+        if stream and params.num_sequences > params.n:
+            raise ValueError("streaming needs n == best_of: the best samples are only known at the end")
+        if (params.stop or stream) and self.tokenizer is None:
             raise ValueError("stop strings and streaming text need a tokenizer; this model has none")
-        request = _Request(request_id, list(prompt_token_ids), params, stream)
-        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        arrival = self._arrivals
+        request = _Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            stream,
+            priority=priority,
+            arrival_order=self._arrivals,
+            base_seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(62),
+        )
         self._arrivals += 1
-        for index in range(params.n):
-            seq = Sequence(
-                seq_id=self._next_seq_id,
-                request_id=request_id,
-                sample_index=index,
-                prompt_token_ids=request.prompt_token_ids,
-                params=params,
-                seed=base_seed + index,
-                priority=priority,
-                arrival_order=arrival,
-            )
-            self._next_seq_id += 1
-            state = _SampleState(
-                seq=seq,
-                detokenizer=(
-                    IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output)
-                    if needs_text_early and self.tokenizer is not None
-                    else None
-                ),
-                logprobs=[] if params.logprobs is not None else None,
-            )
-            request.samples.append(state)
-            self._seqs[seq.seq_id] = seq
-            self._sample_of[seq.seq_id] = state
-            self.scheduler.add(seq)
+        # One sequence computes the prompt; the other samples fork from it when its first token is
+        # sampled, sharing the prompt's blocks.
+        self.scheduler.add(self._new_sample(request, []).seq)
         self._requests[request_id] = request
+
+    def _new_sample(self, request: _Request, output_token_ids: list[int]) -> _SampleState:
+        params, index = request.params, len(request.samples)
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            request_id=request.request_id,
+            sample_index=index,
+            prompt_token_ids=request.prompt_token_ids,
+            params=params,
+            seed=request.base_seed + index,
+            priority=request.priority,
+            arrival_order=request.arrival_order,
+            output_token_ids=output_token_ids,
+        )
+        self._next_seq_id += 1
+        needs_text_early = bool(params.stop) or request.stream
+        state = _SampleState(
+            seq=seq,
+            detokenizer=(
+                IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output)
+                if needs_text_early and self.tokenizer is not None
+                else None
+            ),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        request.samples.append(state)
+        self._seqs[seq.seq_id] = seq
+        self._sample_of[seq.seq_id] = state
+        return state
+
+    def _fork(self, parent: Sequence, token: int) -> _SampleState:
+        """A new sample of parent's request that shares parent's blocks and adds `token`."""
+        state = self._new_sample(self._requests[parent.request_id], list(parent.output_token_ids[:-1]) + [token])
+        child = state.seq
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.last_scheduled_step = parent.last_scheduled_step
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.scheduler.add_running(child)
+        return state
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -218,60 +250,81 @@ class LLMEngine:
         counters.last_step_seconds = time.perf_counter() - started
         counters.step_seconds += counters.last_step_seconds
         counters.prompt_tokens_computed += prompt_tokens
-        counters.generation_tokens += sum(item.needs_sample for item in out.scheduled)
+        counters.batched_tokens += out.num_batched_tokens
         counters.requests_finished += sum(output.finished for output in outputs)
         counters.last_step_tokens = out.num_batched_tokens
         counters.last_step_sequences = len(out.scheduled)
         return outputs
 
     def stats(self) -> EngineStats:
-        running = self.scheduler.running
-        manager = self.block_manager
+        scheduler, manager = self.scheduler, self.block_manager
+        counters = scheduler.counters
+        cached = manager.prefix_cache.num_evictable if manager.prefix_cache is not None else 0
         return EngineStats(
             counters=self.counters.snapshot(),
-            num_running=len(running),
-            num_waiting=len(self.scheduler.waiting),
-            preemptions_recompute=self.scheduler.num_preemptions,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_swapped=len(scheduler.swapped),
+            preemptions=dict(counters.preemptions),
             block_size=manager.block_size,
             kv_blocks_total=manager.num_blocks,
             kv_blocks_used=manager.num_blocks - manager.num_free_blocks,
+            kv_blocks_cached=cached,
             kv_slots_unused=sum(
-                len(manager.block_table(seq.seq_id)) * manager.block_size - seq.num_computed_tokens for seq in running
+                len(manager.block_table(seq.seq_id)) * manager.block_size - seq.num_computed_tokens
+                for seq in scheduler.running
             ),
+            host_blocks_total=manager.num_host_blocks,
+            host_blocks_used=manager.num_host_blocks - manager.num_free_host_blocks,
+            blocks_swapped_out=counters.blocks_swapped_out,
+            blocks_swapped_in=counters.blocks_swapped_in,
+            swap_bytes=(counters.blocks_swapped_out + counters.blocks_swapped_in) * self._bytes_per_block,
+            swap_seconds=self.runner.swap_seconds,
+            prefix_cache_queried_tokens=counters.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=counters.prefix_cache_hit_tokens,
         )
 
     def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         sampling = [self._seqs[item.seq_id] for item in out.scheduled if item.needs_sample]
+        # A prompt that reaches its first token samples once per sequence of its request.
+        fanout = [self._requests[seq.request_id].params.num_sequences - len(self._requests[seq.request_id].samples) + 1
+                  for seq in sampling]
         rows = [
             SamplingRow(
                 params=seq.params,
-                seed=seq.seed,
+                seed=seq.seed + k,
                 prompt_token_ids=seq.prompt_token_ids,
                 output_token_ids=seq.output_token_ids,
                 eos_token_ids=self.eos_token_ids,
             )
-            for seq in sampling
+            for seq, count in zip(sampling, fanout)
+            for k in range(count)
         ]
-        result = self.runner.execute(out, rows)
+        result = self.runner.execute(out, rows, fanout)
+        self.counters.generation_tokens += len(rows)
         if result is None:
             self.scheduler.update(out, {}, self._seqs)
             return []
         token_ids = result.token_ids.tolist()
         token_logprobs = result.logprobs.tolist()
         top = (result.top_logprobs[0].tolist(), result.top_logprobs[1].tolist()) if result.top_logprobs else None
-        self.scheduler.update(out, {seq.seq_id: tok for seq, tok in zip(sampling, token_ids)}, self._seqs)
+        first_rows = [sum(fanout[:i]) for i in range(len(fanout))]
+        self.scheduler.update(out, {seq.seq_id: token_ids[r] for seq, r in zip(sampling, first_rows)}, self._seqs)
 
         touched: dict[str, _Request] = {}
-        for row, (seq, token) in enumerate(zip(sampling, token_ids)):
-            state = self._sample_of[seq.seq_id]
-            state.cumulative_logprob += token_logprobs[row]
-            if state.logprobs is not None:
-                entry = {token: token_logprobs[row]}
-                if top is not None:
-                    wanted = seq.params.logprobs or 0
-                    entry.update(zip(top[0][row][:wanted], top[1][row][:wanted]))
-                state.logprobs.append(entry)
-            self._check_finish(state, token)
+        for seq, first_row, count in zip(sampling, first_rows, fanout):
+            # Fork every sibling before any finish check can free the shared blocks.
+            states = [self._sample_of[seq.seq_id]] + [self._fork(seq, token_ids[first_row + k]) for k in range(1, count)]
+            for row, state in enumerate(states, start=first_row):
+                token = token_ids[row]
+                state.cumulative_logprob += token_logprobs[row]
+                if state.logprobs is not None:
+                    entry = {token: token_logprobs[row]}
+                    if top is not None:
+                        wanted = seq.params.logprobs or 0
+                        entry.update(zip(top[0][row][:wanted], top[1][row][:wanted]))
+                    state.logprobs.append(entry)
+                self._check_finish(state, token)
             touched[seq.request_id] = self._requests[seq.request_id]
 
         outputs = []
@@ -332,10 +385,15 @@ class LLMEngine:
         )
 
     def _snapshot(self, request: _Request) -> RequestOutput:
+        completions = [self._completion(s) for s in request.samples]
+        if len(completions) > request.params.n:  # best_of: only ever at the end (no streaming)
+            completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[: request.params.n]
+            for index, completion in enumerate(completions):
+                completion.index = index
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[self._completion(s) for s in request.samples],
+            outputs=completions,
             finished=request.finished,
         )
 

@@ -12,9 +12,18 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1.0 and min_p 0.0 disable
     those filters. Penalties at their neutral values (1.0 repetition, 0.0 presence/frequency) cost
     nothing. `seed` makes sampling reproducible regardless of which other requests share the batch.
+
+    `best_of` samples that many sequences and returns the `n` with the highest cumulative log-prob.
+    Beam search (`use_beam_search`) keeps `beam_width` beams, scores finished ones by cumulative
+    log-prob / generated length ** `length_penalty` (as Hugging Face does) and returns the `n` best;
+    it is deterministic, so it requires temperature 0 and no top-k/top-p/min-p, as vLLM did.
     """
 
     n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    beam_width: int = 4
+    length_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -44,6 +53,21 @@ class SamplingParams:
                 raise ValueError(message)
 
         require(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        require(
+            self.best_of is None or (isinstance(self.best_of, int) and self.best_of >= self.n),
+            f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}",
+        )
+        if self.use_beam_search:
+            require(self.best_of is None, "best_of does not apply to beam search; set beam_width")
+            require(
+                isinstance(self.beam_width, int) and self.beam_width >= max(2, self.n),
+                f"beam_width must be an integer >= max(2, n), got {self.beam_width!r}",
+            )
+            require(self.temperature == 0.0, "beam search is deterministic: temperature must be 0")
+            require(
+                self.top_p == 1.0 and self.top_k in (-1, 0) and self.min_p == 0.0,
+                "beam search does not combine with top_p, top_k or min_p",
+            )
         require(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         require(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
@@ -72,3 +96,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs at once: its beams, or its n / best_of samples."""
+        if self.use_beam_search:
+            return self.beam_width
+        return self.best_of or self.n

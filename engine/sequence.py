@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV parked in the host pool
     FINISHED = "finished"
 
 
@@ -27,6 +28,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
+    last_scheduled_step: int = -1  # preemption prefers victims that waited longest for a step
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,6 @@
 """The engine's correctness oracle: greedy output equals Hugging Face transformers' `generate`,
-token for token in float32, whatever batching, chunked prefill or preemption happened."""
+token for token in float32, whatever batching, chunked prefill, preemption (swap or recompute),
+prefix caching or parallel sampling happened."""
 
 from __future__ import annotations
 
@@ -71,42 +72,53 @@ def random_case(request, tmp_path_factory):
     folder = save_random_hf_model(request.param, tmp_path_factory.mktemp(request.param))
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(16)]
+    shared_prefix = [rng.randrange(3, 512) for _ in range(37)]  # so the prefix cache has hits to serve
+    prompts = [shared_prefix + p if i % 2 else p for i, p in enumerate(prompts)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     expected = hf_greedy(hf, prompts, MAX_TOKENS, eos=None)
     return str(folder), prompts, expected
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+TINY_POOL = {"block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 64}
 ENGINE_SETUPS = {
-    "default": {},
+    "default": {},  # swap preemption and prefix caching on
     "chunked_prefill": {"max_num_batched_tokens": 16},
-    # 24 blocks of 4 tokens cannot hold 16 sequences at once: forces recompute preemption
-    "preemption": {"block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 64},
+    # 40 blocks of 4 tokens cannot hold 16 sequences at once: forces preemption
+    "preemption_recompute": {**TINY_POOL, "preemption_mode": "recompute"},
+    "preemption_swap": {**TINY_POOL, "preemption_mode": "swap"},
+    # few seats, so prompts are admitted over many steps and later ones find earlier ones' blocks
+    "prefix_caching": {"max_num_seqs": 3, "enable_prefix_caching": True},
+    "no_prefix_caching": {"max_num_seqs": 3, "enable_prefix_caching": False},
     # the pure torch path (no C++ CPU kernels), chunked so that cached prefixes are read back
     "torch_only": {"cpu_kernels": False, "max_num_batched_tokens": 16},
 }
 
 
-def run_engine(folder: str, prompts, setup: str, ignore_eos: bool):
+def run_engine(folder: str, prompts, setup: str, ignore_eos: bool, n: int = 1):
     llm = LLM(model=folder, dtype="float32", device="cpu", **ENGINE_SETUPS[setup])
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=ignore_eos)
+    params = SamplingParams(n=n, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=ignore_eos)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return llm, [o.outputs[0].token_ids for o in outputs]
+    return llm, [[sample.token_ids for sample in o.outputs] for o in outputs]
 
 
 def test_smollm2_single_prompt_matches_hf(smollm2_case):
     folder, prompts, expected = smollm2_case
     _, got = run_engine(folder, prompts[:1], "default", ignore_eos=False)
-    assert got == expected[:1]
+    assert got == [expected[:1]]
 
 
-def check_against_hf(case, setup: str, ignore_eos: bool) -> None:
+def check_against_hf(case, setup: str, ignore_eos: bool, n: int = 1) -> None:
     folder, prompts, expected = case
-    llm, got = run_engine(folder, prompts, setup, ignore_eos=ignore_eos)
-    assert got == expected
-    if setup == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    llm, got = run_engine(folder, prompts, setup, ignore_eos=ignore_eos, n=n)
+    assert got == [[tokens] * n for tokens in expected]
+    stats = llm.engine.stats()
+    if setup.startswith("preemption_"):
+        assert stats.preemptions[setup.removeprefix("preemption_")] > 0
+    if setup == "prefix_caching":
+        assert stats.prefix_cache_hit_tokens > 0
+    assert stats.kv_blocks_used == 0 and stats.host_blocks_used == 0
+    llm.engine.block_manager.check_invariants()
 
 
 @pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
@@ -117,3 +129,9 @@ def test_smollm2_batch_matches_hf(smollm2_case, setup):
 @pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
 def test_random_models_match_hf(random_case, setup):
     check_against_hf(random_case, setup, ignore_eos=True)
+
+
+@pytest.mark.parametrize("setup", ["default", "preemption_swap"])
+def test_parallel_greedy_samples_match_hf(smollm2_case, setup):
+    """n = 3 samples fork from one prompt and share its blocks; greedy, each equals HF's output."""
+    check_against_hf(smollm2_case, setup, ignore_eos=False, n=3)

@@ -1,0 +1,88 @@
+"""Automatic prefix caching: full KV blocks are named by the hash of their whole token prefix, so a
+later sequence that starts with the same tokens reuses them instead of recomputing them.
+
+A block's hash chains its parent's hash with its own tokens, so equal hashes mean equal prefixes,
+not just equal blocks. Cached blocks whose last owner let go stay resident, in least-recently-used
+order, and are evicted only when the free pool runs dry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """A 128-bit digest: collisions, which would hand one prompt another's KV, are out of reach
+    (Python's 64-bit tuple hash is not collision-resistant)."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash], token_slice: Callable[[int, int], Sequence[int]], num_tokens: int, block_size: int
+) -> None:
+    """Append the hashes of the full blocks among the first `num_tokens` tokens not hashed yet;
+    `token_slice(start, stop)` gives a sequence's tokens."""
+    for index in range(len(hashes), num_tokens // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, token_slice(index * block_size, (index + 1) * block_size)))
+
+
+class PrefixCache:
+    """Which block holds which hashed prefix, and which cached blocks nobody holds (evictable)."""
+
+    def __init__(self) -> None:
+        self._block_of: dict[BlockHash, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Blocks holding the longest cached prefix of `hashes`."""
+        blocks = []
+        for block_hash in hashes:
+            block = self._block_of.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    def register(self, block: int, block_hash: BlockHash) -> None:
+        """Name `block` by `block_hash`, unless another block already holds that prefix."""
+        if block_hash not in self._block_of and block not in self._hash_of:
+            self._block_of[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def release(self, block: int) -> bool:
+        """The block's last owner let go. Returns True if the cache keeps it (it is named)."""
+        if block in self._hash_of:
+            self._evictable[block] = None
+            return True
+        return False
+
+    def claim(self, block: int) -> None:
+        """A cache hit takes a block nobody held back into use."""
+        del self._evictable[block]
+
+    def evict(self) -> int:
+        """Forget the least recently released cached block and hand it over for reuse."""
+        block, _ = self._evictable.popitem(last=False)
+        del self._block_of[self._hash_of.pop(block)]
+        return block
+
+    def check_invariants(self) -> None:
+        assert all(self._block_of[h] == b for b, h in self._hash_of.items()), "hash maps disagree"
+        assert len(self._block_of) == len(self._hash_of), "hash maps disagree in size"
+        assert all(b in self._hash_of for b in self._evictable), "an evictable block has no hash"
