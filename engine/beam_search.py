@@ -2,7 +2,7 @@
 
 Plain data in, plain data out: the engine runs one forward pass per live beam, hands this module the float32
 log-softmax of each beam's last logits, and gets back which (parent, token) pairs live on. Everything that decides
-*which* beams survive or finish follows transformers 5.x token for token:
+*which* beams survive or finish follows transformers 5.23's `_beam_search` token for token:
 
 - Candidates: the top K = max(2, 1 + #eos) * W of `cum_logprob + logprob` over all live beams and the whole
   vocabulary, taken by one `torch.topk` over the flattened [W * vocab] scores (same shape, same tie order as HF).
@@ -92,9 +92,9 @@ def beam_search_step(
     """
     width = state.beam_width
     num_live, vocab_size = logprobs.shape
-    generated_len = len(live_beams[0].output_token_ids) + 1  # all live beams share one length, as in HF
-    if num_live != len(live_beams):
+    if num_live != len(live_beams) or num_live == 0:
         raise ValueError(f"{num_live} rows of logprobs for {len(live_beams)} live beams")
+    generated_len = len(live_beams[0].output_token_ids) + 1  # all live beams share one length, as in HF
     if num_live != width and not (num_live == 1 and generated_len == 1):
         raise ValueError(f"expected {width} live beams (or the single prompt beam at the first step), got {num_live}")
     if state.num_candidates > vocab_size:
@@ -118,13 +118,13 @@ def beam_search_step(
     stopped_mask = torch.tensor(stopped, dtype=torch.float32, device=scores.device)
     running_scores = top_scores[0] + stopped_mask * _HF_NEG
     next_positions = torch.topk(running_scores, k=width).indices.tolist()
+    cum_scores = top_scores[0].tolist()
     next_beams = [
-        NextBeam(parent=indices[pos] // vocab_size, token_id=tokens[pos], cum_logprob=top_scores[0, pos].item())
+        NextBeam(parent=indices[pos] // vocab_size, token_id=tokens[pos], cum_logprob=cum_scores[pos])
         for pos in next_positions
     ]
 
     normalised = (top_scores[0] / (generated_len**state.length_penalty)).tolist()
-    cum_scores = top_scores[0].tolist()
     new_hypotheses = [
         FinishedBeam(
             output_token_ids=(*live_beams[indices[pos] // vocab_size].output_token_ids, tokens[pos]),

@@ -104,13 +104,15 @@ class BlockManager:
         while len(table) * self.block_size < stop:
             table.append(self._take_empty())
 
-    def fork(self, parent_id: int, child_id: int) -> None:
-        """The child shares every block of the parent; the first write into a shared block copies it."""
-        table = self._tables[parent_id]
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent; the first write into a shared block copies it.
+        It inherits the names of the computed full blocks only: its later tokens may differ."""
+        table = self._tables[parent.seq_id]
         for block in table:
             self._ref_counts[block] += 1
-        self._tables[child_id] = list(table)
-        self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
+        self._tables[child.seq_id] = list(table)
+        self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
+        child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Offer the blocks `seq` has completely computed to the prefix cache."""

@@ -198,9 +198,8 @@ class LLMEngine:
         state = self._new_sample(self._requests[parent.request_id], list(parent.output_token_ids[:-1]) + [token])
         child = state.seq
         child.num_computed_tokens = parent.num_computed_tokens
-        child.block_hashes = list(parent.block_hashes)
         child.last_scheduled_step = parent.last_scheduled_step
-        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.block_manager.fork(parent, child)
         self.scheduler.add_running(child)
         return state
 

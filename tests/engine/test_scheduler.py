@@ -1,8 +1,10 @@
-"""Scheduler and block manager without a model: plain data in, plain data out."""
+"""Scheduler and block manager without a model: plain data in, plain data out. KV contents are
+simulated by one integer per slot, a function of the sequence's whole prefix, so sharing, swapping and
+copy-on-write are checked for what they must preserve: each sequence reads back its own prefix."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
@@ -12,9 +14,11 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 
-def make_scheduler(num_blocks: int, block_size: int = 4, **options: int) -> Scheduler:
+def make_scheduler(num_blocks: int, block_size: int = 4, num_host_blocks: int = 0, **options) -> Scheduler:
+    options = {"enable_prefix_caching": False, "admission_watermark": 0.0, **options}
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, **options)
-    return Scheduler(config, BlockManager(num_blocks, block_size))
+    manager = BlockManager(num_blocks, block_size, num_host_blocks, config.enable_prefix_caching)
+    return Scheduler(config, manager)
 
 
 def make_seq(seq_id: int, prompt_len: int, priority: int = 0) -> Sequence:
@@ -95,7 +99,7 @@ def test_priority_orders_admission():
 
 def test_preemption_takes_lowest_priority_then_newest_and_it_resumes_first():
     # 3 sequences of 4 tokens fill 3 of 4 blocks; then two of them need a new block each
-    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    scheduler = make_scheduler(num_blocks=4, block_size=4, preemption_mode="recompute")
     seqs = {0: make_seq(0, 4), 1: make_seq(1, 4, priority=1), 2: make_seq(2, 4)}
     for seq in seqs.values():
         scheduler.add(seq)
@@ -111,40 +115,171 @@ def test_preemption_takes_lowest_priority_then_newest_and_it_resumes_first():
     assert resumed.num_new_tokens == 5  # prompt + the generated token, recomputed
 
 
-@settings(max_examples=60, deadline=None)
+def test_swap_preemption_parks_the_whole_table_and_brings_it_back_when_room_returns():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, num_host_blocks=8, preemption_mode="swap")
+    seqs = {0: make_seq(0, 4), 1: make_seq(1, 4, priority=1), 2: make_seq(2, 4)}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    run_step(scheduler, seqs)
+    victim_blocks = list(scheduler.block_manager.block_table(1))
+    out = run_step(scheduler, seqs)
+    assert out.preempted == (1,) and seqs[1].status is SequenceStatus.SWAPPED
+    assert [device for device, _ in out.blocks_to_swap_out] == victim_blocks
+    assert seqs[1].num_computed_tokens == 4  # nothing to recompute
+    assert scheduler.counters.preemptions == {"swap": 1, "recompute": 0}
+    scheduler.finish(seqs[0])
+    host_blocks = [host for _, host in out.blocks_to_swap_out]
+    out = run_step(scheduler, seqs)
+    assert [host for host, _ in out.blocks_to_swap_in] == host_blocks
+    assert scheduler.block_manager.block_table(1)[: len(host_blocks)] == [device for _, device in out.blocks_to_swap_in]
+    resumed = [s for s in out.scheduled if s.seq_id == 1][0]
+    assert (resumed.start_position, resumed.num_new_tokens) == (4, 1)  # the decode, no recompute
+    assert scheduler.block_manager.num_free_host_blocks == 8
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_or_the_step_cap_is_short():
+    for host_blocks, cap in ((0, 100), (8, 0)):
+        scheduler = make_scheduler(4, 4, num_host_blocks=host_blocks, preemption_mode="swap", max_swap_blocks_per_step=cap)
+        seqs = {i: make_seq(i, 4) for i in range(3)}
+        for seq in seqs.values():
+            scheduler.add(seq)
+        run_step(scheduler, seqs)
+        out = run_step(scheduler, seqs)
+        assert out.preempted == (2,) and not out.blocks_to_swap_out
+        assert seqs[2].status is SequenceStatus.WAITING and seqs[2].num_computed_tokens == 0
+        assert scheduler.counters.preemptions == {"swap": 0, "recompute": 1}
+
+
+def test_victim_is_the_least_recently_scheduled_among_equals():
+    # budget 2: seqs 0 and 1 decode, seq 2 waits a step; when seq 0 needs a block, 2 goes, not 1
+    scheduler = make_scheduler(num_blocks=5, block_size=4, num_host_blocks=8, max_num_batched_tokens=12)
+    seqs = {i: make_seq(i, 4) for i in range(3)}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    run_step(scheduler, seqs)
+    scheduler.config.max_num_batched_tokens = 2
+    run_step(scheduler, seqs)  # 0 and 1 get their 5th slot (new blocks), 2 is not scheduled
+    assert seqs[2].last_scheduled_step < seqs[1].last_scheduled_step
+    scheduler.config.max_num_batched_tokens = 12
+    seqs[1].priority = seqs[2].priority = 0
+    out = run_step(scheduler, seqs)
+    assert out.preempted == (2,)
+
+
+def test_watermark_prevents_a_preempt_and_restore_of_the_same_sequence():
+    """A swapped-out sequence comes back only when its blocks plus the watermark are free, never in
+    the step that evicted it, so it is not bounced in and out while memory stays tight."""
+    scheduler = make_scheduler(
+        num_blocks=10, block_size=4, num_host_blocks=20, admission_watermark=0.2, max_num_batched_tokens=64
+    )
+    seqs = {i: make_seq(i, 8) for i in range(5)}  # 2 blocks each: the pool is full after admission
+    for seq in seqs.values():
+        scheduler.add(seq)
+    history: dict[int, list[str]] = {i: [] for i in seqs}
+    for _ in range(12):
+        out = run_step(scheduler, seqs)
+        restored = {device for _, device in out.blocks_to_swap_in}
+        for seq_id in out.preempted:
+            history[seq_id].append("out")
+            assert not restored, "something was swapped in during a step that preempted"
+        for item in out.scheduled:
+            if set(item.block_table) & restored and item.start_position > 0:
+                history[item.seq_id].append("in")
+        free = scheduler.block_manager.num_free_blocks
+        if restored:
+            assert free >= 2 or not scheduler.running  # the 0.2 x 10 block reserve held
+    assert any("out" in h for h in history.values())
+    for events in history.values():  # never out and back in on consecutive steps
+        assert "out,in,out,in" not in ",".join(events)
+
+
+def _prefix_value(seq: Sequence, position: int) -> int:
+    return hash(tuple(seq.token_ids_slice(0, position + 1))) & 0x7FFF_FFFF_FFFF
+
+
+@settings(max_examples=250, deadline=None)
 @given(
     num_blocks=st.integers(min_value=8, max_value=40),
+    num_host_blocks=st.integers(min_value=0, max_value=40),
     block_size=st.sampled_from([1, 2, 4, 16]),
     budget=st.integers(min_value=4, max_value=64),
     max_num_seqs=st.integers(min_value=1, max_value=8),
+    mode=st.sampled_from(["swap", "recompute"]),
+    prefix_caching=st.booleans(),
     events=st.lists(
-        st.tuples(st.sampled_from(["arrive", "step", "finish", "abort"]), st.integers(0, 1000), st.integers(0, 2)),
-        min_size=1,
-        max_size=120,
+        st.tuples(
+            st.sampled_from(["arrive", "arrive", "step", "step", "step", "step", "finish", "abort", "fork"]),
+            st.integers(0, 1000),
+            st.integers(0, 2),
+        ),
+        min_size=30,
+        max_size=150,
     ),
 )
-def test_block_invariants_under_random_workloads(num_blocks, block_size, budget, max_num_seqs, events):
-    scheduler = make_scheduler(num_blocks, block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
+    num_blocks, num_host_blocks, block_size, budget, max_num_seqs, mode, prefix_caching, events
+):
+    import torch
+
+    from engine.model_runner import ModelRunner
+
+    scheduler = make_scheduler(
+        num_blocks, block_size, num_host_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+        preemption_mode=mode, enable_prefix_caching=prefix_caching, admission_watermark=0.1,
+    )
     manager = scheduler.block_manager
+    # One int64 per slot stands in for a token's K (and V); the runner moves blocks as it would KV.
+    def pool(blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.full((blocks, block_size, 1, 1), -1, dtype=torch.int64),) * 2] if blocks else []
+    runner = ModelRunner(None, pool(num_blocks), pool(num_host_blocks), block_size, torch.device("cpu"))
+    slots = runner.kv_caches[0][0].view(-1)
     capacity = num_blocks * block_size
     seqs: dict[int, Sequence] = {}
+    stats = {"written": 0, "swapped": 0, "copied": 0}
     next_id = 0
     for kind, value, priority in events:
         if kind == "arrive":
-            prompt_len = 1 + value % max(1, capacity // 2)
-            seqs[next_id] = make_seq(next_id, prompt_len, priority)
+            # prompts of 1, 2, 3, ... share their beginnings, so the prefix cache has work to do
+            seqs[next_id] = make_seq(next_id, 1 + value % max(1, capacity // 2), priority)
             scheduler.add(seqs[next_id])
             next_id += 1
         elif kind == "step":
-            out = run_step(scheduler, seqs)
+            out = scheduler.schedule()
             assert out.num_batched_tokens <= budget
-            assert len(scheduler.running) <= max_num_seqs
-            owned = [b for s in out.scheduled for b in s.block_table]
-            assert len(owned) == len(set(owned)), "a block is in two tables"
-            for seq in list(scheduler.running):  # finish anything that would outgrow the pool
-                if seq.num_tokens >= capacity:
+            runner._move_blocks(out)
+            for item in out.scheduled:
+                seq = seqs[item.seq_id]
+                for position in range(item.start_position, item.start_position + item.num_new_tokens):
+                    block = item.block_table[position // block_size]
+                    others = [s for s in scheduler.running if s is not seq and block in manager.block_table(s.seq_id)]
+                    assert not others, "a sequence writes into a block another one holds"
+                    slots[block * block_size + position % block_size] = _prefix_value(seq, position)
+                    stats["written"] += 1
+            stats["swapped"] += len(out.blocks_to_swap_out)
+            stats["copied"] += len(out.blocks_to_copy)
+            sampled = {i.seq_id: 1 + (i.seq_id * 31 + len(seqs[i.seq_id].output_token_ids)) % 5
+                       for i in out.scheduled if i.needs_sample}
+            scheduler.update(out, sampled, seqs)
+            for seq in list(scheduler.running):
+                table = manager.block_table(seq.seq_id)
+                for position in range(seq.num_computed_tokens):
+                    slot = table[position // block_size] * block_size + position % block_size
+                    assert slots[slot] == _prefix_value(seq, position), "a sequence lost its KV"
+                if seq.num_tokens >= capacity:  # would outgrow the pool
                     scheduler.finish(seq)
                     del seqs[seq.seq_id]
+        elif kind == "fork":
+            parents = [s for s in scheduler.running if s.output_token_ids and s.num_uncomputed_tokens == 1]
+            if parents:
+                parent = parents[value % len(parents)]
+                child = make_seq(next_id, 1)
+                child.prompt_token_ids, child.output_token_ids = parent.prompt_token_ids, list(parent.output_token_ids)
+                child.output_token_ids[-1] += 1  # a sibling's different sample
+                child.num_computed_tokens = parent.num_computed_tokens
+                manager.fork(parent, child)
+                scheduler.add_running(child)
+                seqs[next_id] = child
+                next_id += 1
         elif seqs:
             victim = list(seqs.values())[value % len(seqs)]
             if kind == "finish" and victim.status is not SequenceStatus.RUNNING:
@@ -156,4 +291,8 @@ def test_block_invariants_under_random_workloads(num_blocks, block_size, budget,
         scheduler.finish(seq)
     manager.check_invariants()
     assert manager.num_free_blocks == num_blocks
+    assert manager.num_free_host_blocks == num_host_blocks
     assert not scheduler.has_unfinished()
+    for name, count in stats.items():
+        event(f"{name}: {'some' if count else 'none'}")
+    event(f"prefix hits: {'some' if scheduler.counters.prefix_cache_hit_tokens else 'none'}")
