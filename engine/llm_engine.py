@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import TorchAttention
+from engine.beam_search import Beam, BeamSearchState, NextBeam, beam_search_step, best_hypotheses
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer, decode_complete
@@ -30,7 +31,7 @@ from engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 from kernels.cpu_kernels import load_cpu_kernels
 
@@ -54,10 +55,15 @@ class _Request:
     priority: int
     arrival_order: int
     base_seed: int  # sample i draws with base_seed + i
-    samples: list[_SampleState] = field(default_factory=list)
+    samples: list[_SampleState] = field(default_factory=list)  # with beam search: the live beams, best first
+    beams: BeamSearchState | None = None  # beam search's finished hypotheses
+    beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> its next-token log-probs
+    beam_results: list[CompletionOutput] | None = None  # beam search's answer, once it is done
 
     @property
     def finished(self) -> bool:
+        if self.beams is not None:
+            return self.beam_results is not None
         return all(s.finish_reason is not None for s in self.samples)
 
 
@@ -145,8 +151,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}): {params.stop_token_ids}")
-        if stream and params.num_sequences > params.n:
-            raise ValueError("streaming needs n == best_of: the best samples are only known at the end")
+        if stream and (params.num_sequences > params.n or params.use_beam_search):
+            raise ValueError("streaming needs n == best_of and no beam search: the best are only known at the end")
+        if params.use_beam_search and params.stop:
+            raise ValueError("beam search does not support stop strings; use stop_token_ids")
         if (params.stop or stream) and self.tokenizer is None:
             raise ValueError("stop strings and streaming text need a tokenizer; this model has none")
         request = _Request(
@@ -159,6 +167,9 @@ class LLMEngine:
             base_seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(62),
         )
         self._arrivals += 1
+        if params.use_beam_search:
+            eos = (() if params.ignore_eos else self.eos_token_ids) + tuple(params.stop_token_ids)
+            request.beams = BeamSearchState(params.beam_width, params.length_penalty, eos)
         # One sequence computes the prompt; the other samples fork from it when its first token is
         # sampled, sharing the prompt's blocks.
         self.scheduler.add(self._new_sample(request, []).seq)
@@ -193,14 +204,18 @@ class LLMEngine:
         self._sample_of[seq.seq_id] = state
         return state
 
-    def _fork(self, parent: Sequence, token: int) -> _SampleState:
-        """A new sample of parent's request that shares parent's blocks and adds `token`."""
-        state = self._new_sample(self._requests[parent.request_id], list(parent.output_token_ids[:-1]) + [token])
+    def _fork(self, parent: Sequence, output_token_ids: list[int]) -> _SampleState:
+        """A new sequence of parent's request, sharing parent's blocks, with its own output tokens
+        (parent's computed ones plus a different next token)."""
+        state = self._new_sample(self._requests[parent.request_id], output_token_ids)
         child = state.seq
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.last_scheduled_step = parent.last_scheduled_step
-        self.block_manager.fork(parent, child)
-        self.scheduler.add_running(child)
+        if parent.status is SequenceStatus.RUNNING:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.last_scheduled_step = parent.last_scheduled_step
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+        else:  # a beam parked in the host pool or preempted: the child recomputes, from the prefix cache
+            self.scheduler.add(child)
         return state
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -285,9 +300,12 @@ class LLMEngine:
 
     def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         sampling = [self._seqs[item.seq_id] for item in out.scheduled if item.needs_sample]
+        requests = [self._requests[seq.request_id] for seq in sampling]
         # A prompt that reaches its first token samples once per sequence of its request.
-        fanout = [self._requests[seq.request_id].params.num_sequences - len(self._requests[seq.request_id].samples) + 1
-                  for seq in sampling]
+        fanout = [
+            1 if request.beams is not None else request.params.num_sequences - len(request.samples) + 1
+            for request in requests
+        ]
         rows = [
             SamplingRow(
                 params=seq.params,
@@ -308,12 +326,24 @@ class LLMEngine:
         token_logprobs = result.logprobs.tolist()
         top = (result.top_logprobs[0].tolist(), result.top_logprobs[1].tolist()) if result.top_logprobs else None
         first_rows = [sum(fanout[:i]) for i in range(len(fanout))]
-        self.scheduler.update(out, {seq.seq_id: token_ids[r] for seq, r in zip(sampling, first_rows)}, self._seqs)
+        sampled = {
+            seq.seq_id: token_ids[row]
+            for seq, request, row in zip(sampling, requests, first_rows)
+            if request.beams is None  # a beam's next token is chosen once all its request's beams have log-probs
+        }
+        self.scheduler.update(out, sampled, self._seqs)
 
         touched: dict[str, _Request] = {}
-        for seq, first_row, count in zip(sampling, first_rows, fanout):
+        beam_rows = iter(result.beam_logprobs if result.beam_logprobs is not None else ())
+        for seq, request, first_row, count in zip(sampling, requests, first_rows, fanout):
+            touched[request.request_id] = request
+            if request.beams is not None:
+                request.beam_logprobs[seq.seq_id] = next(beam_rows)
+                continue
             # Fork every sibling before any finish check can free the shared blocks.
-            states = [self._sample_of[seq.seq_id]] + [self._fork(seq, token_ids[first_row + k]) for k in range(1, count)]
+            states = [self._sample_of[seq.seq_id]] + [
+                self._fork(seq, seq.output_token_ids[:-1] + [token_ids[first_row + k]]) for k in range(1, count)
+            ]
             for row, state in enumerate(states, start=first_row):
                 token = token_ids[row]
                 state.cumulative_logprob += token_logprobs[row]
@@ -324,15 +354,60 @@ class LLMEngine:
                         entry.update(zip(top[0][row][:wanted], top[1][row][:wanted]))
                     state.logprobs.append(entry)
                 self._check_finish(state, token)
-            touched[seq.request_id] = self._requests[seq.request_id]
 
         outputs = []
         for request in touched.values():
+            if request.beams is not None and len(request.beam_logprobs) == len(request.samples):
+                self._advance_beams(request)
             if request.finished:
                 outputs.append(self._finalize(request))
             elif request.stream:
                 outputs.append(self._snapshot(request))
         return outputs
+
+    def _advance_beams(self, request: _Request) -> None:
+        """Every live beam has its log-probs: pick the next beams by block-table edits (a parent
+        with several children forks, one with none is dropped), or finish the request."""
+        assert request.beams is not None
+        live = list(request.samples)  # forks append to request.samples
+        logprobs = torch.stack([request.beam_logprobs.pop(state.seq.seq_id) for state in live])
+        params, first = request.params, live[0].seq
+        is_last = (params.max_tokens is not None and len(first.output_token_ids) + 1 >= params.max_tokens) or (
+            first.num_tokens + 1 >= self.max_model_len
+        )
+        beams = [Beam(tuple(state.seq.output_token_ids), state.cumulative_logprob) for state in live]
+        next_beams, done = beam_search_step(request.beams, beams, logprobs, is_last)
+        if done:
+            for state in live:
+                self._release(state.seq)
+            request.beam_results = [
+                CompletionOutput(
+                    index=index,
+                    text=decode_complete(self.tokenizer, list(h.output_token_ids)) if self.tokenizer else "",
+                    token_ids=list(h.output_token_ids),
+                    finish_reason="stop" if h.output_token_ids[-1] in request.beams.eos_token_ids else "length",
+                    cumulative_logprob=h.cum_logprob,
+                )
+                for index, h in enumerate(best_hypotheses(request.beams, params.n))
+            ]
+            return
+        children: dict[int, list[NextBeam]] = {}
+        for beam in next_beams:
+            children.setdefault(beam.parent, []).append(beam)
+        state_of: dict[NextBeam, _SampleState] = {}
+        for parent, kids in children.items():  # forks copy the parent before it takes its own token
+            seq = live[parent].seq
+            for kid in kids[1:]:
+                state_of[kid] = self._fork(seq, seq.output_token_ids + [kid.token_id])
+        for parent, kids in children.items():
+            live[parent].seq.output_token_ids.append(kids[0].token_id)
+            state_of[kids[0]] = live[parent]
+        for index, state in enumerate(live):
+            if index not in children:
+                self._release(state.seq)
+        request.samples = [state_of[beam] for beam in next_beams]
+        for beam, state in zip(next_beams, request.samples):
+            state.cumulative_logprob = beam.cum_logprob
 
     def _check_finish(self, state: _SampleState, token: int) -> None:
         seq, params = state.seq, state.seq.params
@@ -384,7 +459,7 @@ class LLMEngine:
         )
 
     def _snapshot(self, request: _Request) -> RequestOutput:
-        completions = [self._completion(s) for s in request.samples]
+        completions = request.beam_results or [self._completion(s) for s in request.samples]
         if len(completions) > request.params.n:  # best_of: only ever at the end (no streaming)
             completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[: request.params.n]
             for index, completion in enumerate(completions):

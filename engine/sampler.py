@@ -42,6 +42,9 @@ class SamplerOutput:
     # ([B, K] int64 ids, [B, K] float32 log-probs) of the raw distribution, K = the largest `logprobs` asked
     # for in the batch; None when no row asked for at least one.
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None
+    # [R, vocab] float32 log-softmax of the processed logits of the R beam-search rows, in row order:
+    # beam search ranks whole distributions instead of drawing one token. None when no row is a beam.
+    beam_logprobs: torch.Tensor | None = None
 
 
 class Sampler:
@@ -51,7 +54,11 @@ class Sampler:
         raw = logits.float()
         processed = process_logits(raw, rows)
         token_ids = _pick_tokens(processed, rows)
-        return _with_logprobs(raw, token_ids, rows)
+        output = _with_logprobs(raw, token_ids, rows)
+        beam_rows = [i for i, row in enumerate(rows) if row.params.use_beam_search]
+        if beam_rows:
+            output.beam_logprobs = processed[beam_rows].log_softmax(dim=-1)
+        return output
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

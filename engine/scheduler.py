@@ -130,6 +130,14 @@ class Scheduler:
                 scheduled.append(self._schedule_one(seq, num_new))
                 budget -= num_new
 
+        if not scheduled and not preempted and self.running and (self.swapped or self.waiting):
+            # Every running sequence is a beam parked until a sibling computes, and that sibling cannot
+            # get back in: make room, one parked beam per step, or the request never advances.
+            victim = max(self.running, key=_victim_key)
+            self.running.remove(victim)
+            self._preempt(victim, swap_out)
+            preempted.append(victim.seq_id)
+
         return SchedulerOutput(
             scheduled=tuple(scheduled),
             preempted=tuple(preempted),

@@ -391,3 +391,4 @@ def test_unknown_engine_option_is_named() -> None:
 def test_bad_model_name() -> None:
     with pytest.raises(ValueError, match="cannot load model 'no-such-model'"):
         LLM("no-such-model")
+

@@ -135,3 +135,58 @@ def test_random_models_match_hf(random_case, setup):
 def test_parallel_greedy_samples_match_hf(smollm2_case, setup):
     """n = 3 samples fork from one prompt and share its blocks; greedy, each equals HF's output."""
     check_against_hf(smollm2_case, setup, ignore_eos=False, n=3)
+
+
+def hf_beam_search(model, prompt: list[int], length_penalty: float, n: int, eos: int) -> list[list[int]]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        generated = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=4, num_return_sequences=n,
+            length_penalty=length_penalty, early_stopping=False, max_new_tokens=MAX_TOKENS,
+            eos_token_id=eos, pad_token_id=eos,
+        )
+    return [row[len(prompt):].tolist() for row in generated]
+
+
+BEAM_PROMPTS = 6
+LENGTH_PENALTIES = (1.0, 0.5)
+
+
+@pytest.fixture(scope="module")
+def hf_beams(smollm2_folder, smollm2_case) -> dict[float, list[list[list[int]]]]:
+    import transformers
+
+    from engine.tokenizer import Tokenizer
+
+    _, prompts, _ = smollm2_case
+    eos = Tokenizer.from_folder(smollm2_folder).eos_token_id
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
+    return {
+        penalty: [hf_beam_search(hf, prompt, penalty, n=2, eos=eos) for prompt in prompts[:BEAM_PROMPTS]]
+        for penalty in LENGTH_PENALTIES
+    }
+
+
+@pytest.mark.parametrize("setup", ["default", "preemption_swap", "preemption_recompute"])
+def test_beam_search_matches_hf(smollm2_case, hf_beams, setup):
+    """Beams fork and drop by block-table edits (copy-on-write on shared partial blocks), whatever
+    preemption does to them (the tiny pools cannot hold every beam at once, so parked beams are
+    evicted to let a sibling finish its step); the result equals HF's num_beams=4 search."""
+    folder, prompts, _ = smollm2_case
+    llm = LLM(model=folder, dtype="float32", device="cpu", **ENGINE_SETUPS[setup])
+    eos = llm.tokenizer.eos_token_id
+    for length_penalty in LENGTH_PENALTIES:
+        params = SamplingParams(
+            n=2, use_beam_search=True, beam_width=4, temperature=0.0, max_tokens=MAX_TOKENS, length_penalty=length_penalty
+        )
+        outputs = llm.generate(prompts[:BEAM_PROMPTS], params, use_tqdm=False)
+        for expected, output in zip(hf_beams[length_penalty], outputs):
+            got = [sample.token_ids for sample in output.outputs]
+            # HF pads the shorter of its returned beams with eos
+            assert got == [row[: len(tokens)] for row, tokens in zip(expected, got)]
+            assert all(row[len(tokens):] == [eos] * (len(row) - len(tokens)) for row, tokens in zip(expected, got))
+    stats = llm.engine.stats()
+    if setup.startswith("preemption_"):
+        assert stats.preemptions[setup.removeprefix("preemption_")] > 0
+    assert stats.kv_blocks_used == 0 and stats.host_blocks_used == 0
+    llm.engine.block_manager.check_invariants()
