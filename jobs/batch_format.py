@@ -128,6 +128,10 @@ class _SamplingFields(_StrictBody):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    best_of: int | None = None  # OpenAI's completions parameter; vLLM accepts it on chat too
+    use_beam_search: bool | None = None
+    beam_width: int | None = None
+    length_penalty: float | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         shared = set(_SamplingFields.model_fields) - {"model", "user"}

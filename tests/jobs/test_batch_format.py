@@ -328,6 +328,16 @@ def test_a_completion_line_maps_its_prompt_and_fields() -> None:
     assert request.sampling_params == SamplingParams(temperature=0.0, max_tokens=8, stop=["x", "y"], logprobs=2)
 
 
+def test_best_of_and_beam_search_fields_reach_the_engine() -> None:
+    best = accepted(validator().validate(completion_line("b", prompt="one", n=2, best_of=4)))
+    assert (best.sampling_params.n, best.sampling_params.best_of) == (2, 4)
+    line = chat_line("s", temperature=0, n=2, use_beam_search=True, beam_width=3, length_penalty=0.5)
+    beam = accepted(validator().validate(line)).sampling_params
+    assert (beam.use_beam_search, beam.beam_width, beam.length_penalty) == (True, 3, 0.5)
+    error = validator().validate(chat_line("t", use_beam_search=True))  # OpenAI's default temperature is 1
+    assert isinstance(error, LineError) and error.code == "invalid_parameter" and "temperature" in error.message
+
+
 @pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
 def test_token_id_prompts_are_used_as_they_are(prompt: list[Any]) -> None:
     assert accepted(validator().validate(completion_line("a", prompt=prompt))).prompt_token_ids == [5, 6, 7]
