@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from itertools import accumulate
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -325,7 +326,7 @@ class LLMEngine:
         token_ids = result.token_ids.tolist()
         token_logprobs = result.logprobs.tolist()
         top = (result.top_logprobs[0].tolist(), result.top_logprobs[1].tolist()) if result.top_logprobs else None
-        first_rows = [sum(fanout[:i]) for i in range(len(fanout))]
+        first_rows = list(accumulate(fanout[:-1], initial=0))
         sampled = {
             seq.seq_id: token_ids[row]
             for seq, request, row in zip(sampling, requests, first_rows)

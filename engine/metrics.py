@@ -49,6 +49,11 @@ class EngineStats:
     prefix_cache_hit_tokens: int  # of those, found in the cache and not computed
 
     @property
+    def kv_blocks_free(self) -> int:
+        """Blocks available to allocate, cached ones included (they are evicted on demand)."""
+        return self.kv_blocks_total - self.kv_blocks_used
+
+    @property
     def kv_utilization(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total
 

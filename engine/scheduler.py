@@ -198,7 +198,7 @@ class Scheduler:
             num_host = manager.num_host_blocks_of(seq.seq_id)
             num_new = min(seq.num_uncomputed_tokens, budget)
             stop = seq.num_computed_tokens + num_new
-            num_needed = num_host + max(0, -(-stop // size) - num_host)
+            num_needed = max(num_host, -(-stop // size))
             if len(swap_in) + num_host > self.config.max_swap_blocks_per_step:
                 return 0
             if not manager.can_allocate(num_needed, reserve=reserve):
