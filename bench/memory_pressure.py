@@ -11,7 +11,8 @@ off so only preemption differs:
   no preempt   max_num_seqs = pool // (largest request's blocks): whatever is admitted always fits,
                so nothing is ever preempted, at the cost of a smaller batch
 
-Latency is from submission to the end of the step that returned the request's final output.
+Latency is from submission to the end of the step that returned the request's final output. Ratios
+are against the recompute run: for tok/s higher is better, for latency lower is better.
 
     python -m bench.memory_pressure --num-requests 48 --prompt-len 64 256 --output-len 64 192
 """

@@ -85,6 +85,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._watermark_blocks = int(config.admission_watermark * block_manager.num_blocks)
         self._step = 0
+        self._blocks_in_flight: set[bytes] = set()  # prefix-cache names of the full blocks this step computes
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -100,6 +101,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._step += 1
+        self._blocks_in_flight.clear()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
@@ -208,6 +210,11 @@ class Scheduler:
             self.counters.blocks_swapped_in += num_host
         else:
             cached = manager.cached_prefix(seq)
+            reusable = min((seq.num_tokens - 1) // size, len(seq.block_hashes))  # no hashes: caching is off
+            if len(cached) < reusable and seq.block_hashes[len(cached)] in self._blocks_in_flight:
+                # Its next block is being computed this step by a sequence with the same prefix: wait
+                # one step and find it cached, instead of computing it a second time.
+                return 0
             num_cached = len(cached) * size
             num_new = min(seq.num_tokens - num_cached, budget)
             if num_new < seq.num_tokens - num_cached and not self.config.enable_chunked_prefill:
@@ -229,6 +236,8 @@ class Scheduler:
         start = seq.num_computed_tokens
         self.block_manager.allocate(seq.seq_id, start, start + num_new)
         seq.last_scheduled_step = self._step
+        size = self.block_manager.block_size
+        self._blocks_in_flight.update(seq.block_hashes[start // size : (start + num_new) // size])
         return ScheduledSequence(
             seq_id=seq.seq_id,
             start_position=start,

@@ -296,3 +296,17 @@ def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
     for name, count in stats.items():
         event(f"{name}: {'some' if count else 'none'}")
     event(f"prefix hits: {'some' if scheduler.counters.prefix_cache_hit_tokens else 'none'}")
+
+
+def test_a_prompt_waits_a_step_for_a_shared_prefix_being_computed_instead_of_computing_it_twice():
+    scheduler = make_scheduler(num_blocks=100, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=64)
+    document = list(range(1, 21))  # 5 full blocks
+    seqs = {i: make_seq(i, 1) for i in range(3)}
+    for i, seq in seqs.items():
+        seq.prompt_token_ids = document + [100 + i]
+        scheduler.add(seq)
+    first = run_step(scheduler, seqs)
+    assert [(s.seq_id, s.num_new_tokens) for s in first.scheduled] == [(0, 21)]
+    second = run_step(scheduler, seqs)
+    assert [(s.seq_id, s.start_position, s.num_new_tokens) for s in second.scheduled] == [(0, 21, 1), (1, 20, 1), (2, 20, 1)]
+    assert scheduler.counters.prefix_cache_hit_tokens == 40
