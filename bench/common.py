@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +96,18 @@ class Run:
     def token_ids(self, request_id: str) -> list[list[int]]:
         """The request's samples' output token ids, by sample index."""
         return [c.token_ids for c in sorted(self.outputs[request_id].outputs, key=lambda c: c.index)]
+
+
+def run_cli(
+    description: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], None],
+    argv: list[str] | None = None,
+) -> None:
+    """A benchmark module's `main`: its docstring as help, its arguments, its run."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,18 @@ from __future__ import annotations
 
 import argparse
 
-from bench.common import Run, Submission, add_model_arguments, describe, drive, load, markdown_table, ratio, setup_torch
+from bench.common import (
+    Run,
+    Submission,
+    add_model_arguments,
+    describe,
+    drive,
+    load,
+    markdown_table,
+    ratio,
+    run_cli,
+    setup_torch,
+)
 from bench.throughput import BenchRequest, make_workload
 from engine import SamplingParams
 from engine.model_registry import resolve_model
@@ -90,9 +101,7 @@ def compare_samples(shared: Run, separate: Run, num_requests: int, n: int) -> st
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
+    run_cli(__doc__, add_arguments, run, argv)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

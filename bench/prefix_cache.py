@@ -18,7 +18,18 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bench.common import Run, Submission, add_model_arguments, describe, drive, load, markdown_table, ratio, setup_torch
+from bench.common import (
+    Run,
+    Submission,
+    add_model_arguments,
+    describe,
+    drive,
+    load,
+    markdown_table,
+    ratio,
+    run_cli,
+    setup_torch,
+)
 from engine import LLM, SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -127,9 +138,7 @@ def verdict(name: str, achieved: float, target: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
+    run_cli(__doc__, add_arguments, run, argv)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

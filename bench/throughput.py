@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.common import run_cli
 from engine import LLM, SamplingParams
 from engine.config import resolve_dtype
 from engine.model_registry import DEFAULT_MODEL, resolve_model
@@ -92,9 +93,7 @@ def format_table(results: list[BenchResult], baseline: BenchResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
+    run_cli(__doc__, add_arguments, run, argv)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
