@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_command(subcommands)
     _add_bench_command(subcommands)
+    _add_api_command(subcommands)
+    _add_worker_command(subcommands)
+    _add_db_command(subcommands)
+    _add_keys_command(subcommands)
     args = parser.parse_args(argv)
     handler: Handler = args.handler
     return handler(args)
@@ -99,6 +103,97 @@ def _bench(args: argparse.Namespace) -> int:
     from bench import throughput
 
     throughput.run(args)
+    return 0
+
+
+def _add_api_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    api = subcommands.add_parser(
+        "api",
+        help="serve the HTTP API (Files, Batches; OpenAPI docs at /docs)",
+        description="Serve the OpenAI-compatible HTTP API with uvicorn. Configuration comes from CONVEYOR_* "
+        "environment variables (see the README); --host and --port override CONVEYOR_API_HOST / CONVEYOR_API_PORT.",
+    )
+    api.add_argument("--host", help="interface to listen on")
+    api.add_argument("--port", type=int, help="port to listen on")
+    api.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (default: 1)")
+    api.set_defaults(handler=_api)
+
+
+def _api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jobs.settings import Settings
+
+    settings = Settings.from_env()
+    uvicorn.run(
+        "api.app:create_app",
+        factory=True,
+        host=args.host or settings.api_host,
+        port=args.port or settings.api_port,
+        workers=args.workers,
+        log_level="info",
+        access_log=False,
+    )
+    return 0
+
+
+def _add_worker_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    worker = subcommands.add_parser(
+        "worker",
+        help="run a GPU worker: one engine fed by concurrent run_chunk tasks (Celery)",
+        description="Load the engine once, then consume the gpu and control queues from Redis. Configuration "
+        "comes from CONVEYOR_* environment variables (see the README).",
+    )
+    worker.add_argument("--queues", default="gpu,control", help="comma-separated queues (default: gpu,control)")
+    worker.add_argument("--loglevel", default="INFO")
+    worker.set_defaults(handler=_worker)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from jobs.settings import Settings
+    from jobs.worker import run_worker
+
+    run_worker(Settings.from_env(), queues=args.queues.split(","), loglevel=args.loglevel)
+    return 0
+
+
+def _add_db_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    db = subcommands.add_parser("db", help="database migrations (Alembic)")
+    actions = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
+    upgrade = actions.add_parser("upgrade", help="apply migrations up to REVISION (default: head)")
+    upgrade.add_argument("revision", nargs="?", default="head")
+    upgrade.set_defaults(handler=_db_migrate)
+    downgrade = actions.add_parser("downgrade", help="revert migrations down to REVISION (e.g. base)")
+    downgrade.add_argument("revision")
+    downgrade.set_defaults(handler=_db_migrate)
+
+
+def _db_migrate(args: argparse.Namespace) -> int:
+    from jobs import db
+    from jobs.settings import Settings
+
+    migrate = db.upgrade if args.db_command == "upgrade" else db.downgrade
+    migrate(Settings.from_env().database_url, args.revision)
+    return 0
+
+
+def _add_keys_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keys = subcommands.add_parser("keys", help="API keys")
+    actions = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    create = actions.add_parser(
+        "create", help="print a new API key for a project (created on first use); only its hash is stored"
+    )
+    create.add_argument("--project", required=True, help="project (tenant) name")
+    create.set_defaults(handler=_keys_create)
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    from jobs.keys import create_key_in_database
+    from jobs.settings import Settings
+
+    created = create_key_in_database(Settings.from_env().database_url, args.project)
+    print(f"project {created.project_name} ({created.project_id}), key {created.key_id}:", file=sys.stderr)
+    print(created.secret)
     return 0
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest_plugins = ["tests.service_fixtures", "tests.stack_fixtures"]
+
 # Triton decides between compiling and interpreting when a kernel module is imported, and engine
 # tests import kernels first: without a GPU, interpret.
 if not torch.cuda.is_available():

@@ -1,0 +1,50 @@
+"""Cursor pagination as OpenAI does it: `after` an object id, `limit` objects, `has_more`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from sqlalchemy import ColumnElement, select, tuple_
+from sqlalchemy.orm import Session
+
+from jobs.errors import ServiceError
+from jobs.models import Batch, File
+
+RowT = TypeVar("RowT", Batch, File)
+MAX_PAGE_SIZE = 100
+Order = Literal["asc", "desc"]
+
+
+@dataclass(frozen=True)
+class Page(Generic[RowT]):
+    rows: list[RowT]
+    has_more: bool
+
+
+def paginate(
+    session: Session,
+    model: type[RowT],
+    project_id: str,
+    *,
+    after: str | None,
+    limit: int,
+    order: Order = "desc",
+    filters: Sequence[ColumnElement[bool]] = (),
+) -> Page[RowT]:
+    """One page of a project's rows ordered by (created_at, id); `after` names the last row of the previous page."""
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise ServiceError("invalid_request", f"limit must be between 1 and {MAX_PAGE_SIZE}", param="limit")
+    key: Any = tuple_(model.created_at, model.id)
+    query = select(model).where(model.project_id == project_id, *filters)
+    if after is not None:
+        cursor = session.execute(
+            select(model.created_at, model.id).where(model.project_id == project_id, model.id == after)
+        ).first()
+        if cursor is None:
+            raise ServiceError("invalid_request", f"no such object to page after: {after!r}", param="after")
+        query = query.where(key < tuple_(*cursor) if order == "desc" else key > tuple_(*cursor))
+    ordering = (model.created_at.desc(), model.id.desc()) if order == "desc" else (model.created_at, model.id)
+    rows = list(session.scalars(query.order_by(*ordering).limit(limit + 1)))
+    return Page(rows=rows[:limit], has_more=len(rows) > limit)

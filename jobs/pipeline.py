@@ -1,0 +1,452 @@
+"""A batch's life after it is created: validate → run_chunk × N → finalize.
+
+Celery only delivers these steps (`jobs.tasks`); the steps themselves live here, free of Celery, and each is
+idempotent, because with late acknowledgement any of them may run again after a crash:
+
+- validate reads the input once, writes an error record per bad line, then records the chunks and the
+  batch's totals in one transaction before enqueueing the chunks. Run again, it re-enqueues pending chunks.
+- run_chunk writes its errors object, then its output object; the output object's existence means the chunk
+  is complete. Marking the chunk done and adding its counts to the batch is one conditional update, so the
+  counts move exactly once. A re-delivered chunk whose output exists only marks it done; one whose output does
+  not exist is redone from scratch. A Redis lease (renewed while it runs) keeps two workers off one chunk
+  when Redis re-delivers a task whose worker is merely slow, not dead.
+- finalize composes the chunk objects into one output and one error file by S3 multipart copy, under ids
+  derived from the batch id, and sets the final status only if nobody did it first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from redis import Redis
+from redis.exceptions import LockError
+from redis.lock import Lock
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from engine.engine_loop import EngineLoop, RequestHandle
+from jobs.batch_format import (
+    BatchLineValidator,
+    BatchRequest,
+    LineError,
+    PromptTokenizer,
+    error_record,
+    response_record,
+)
+from jobs.batches import has_pending_chunks
+from jobs.db import SessionFactory
+from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, File, FilePurpose, utcnow
+from jobs.object_keys import chunk_errors_key, chunk_output_key, file_key, validation_errors_key
+from jobs.settings import Settings
+from jobs.storage import ObjectNotFound, ObjectStore
+
+LineNumber = int
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineHandle:
+    """The worker's one engine, as the pipeline needs it."""
+
+    loop: EngineLoop
+    tokenizer: PromptTokenizer
+    max_model_len: int
+    model_name: str
+
+
+class ChunkBusy(Exception):
+    """Another worker holds this chunk's lease: try again once it has finished or its lease has lapsed."""
+
+
+@dataclass
+class _ChunkDraft:
+    byte_start: int
+    first_line: LineNumber
+    byte_end: int = 0
+    num_requests: int = 0
+    rejected_lines: list[LineNumber] = field(default_factory=list)
+
+
+@dataclass
+class _ValidationTally:
+    lines: int = 0
+    valid: int = 0
+    invalid: int = 0
+    not_json: int = 0
+    first_problem: str | None = None
+
+
+def iter_lines(
+    blocks: Iterable[bytes], first_line: LineNumber = 1, offset: int = 0
+) -> Iterator[tuple[LineNumber, int, int, bytes]]:
+    """(line number, start byte, end byte exclusive, line without its newline) for each line of a byte stream."""
+    pending = b""
+    pending_start = offset
+    line_number = first_line
+    for block in blocks:
+        pending += block
+        while (newline := pending.find(b"\n")) >= 0:
+            line, pending = pending[:newline], pending[newline + 1 :]
+            end = pending_start + newline + 1
+            yield line_number, pending_start, end, line
+            line_number += 1
+            pending_start = end
+    if pending:
+        yield line_number, pending_start, pending_start + len(pending), pending
+
+
+def derived_file_id(batch_id: str, role: str) -> str:
+    """The id of a batch's output or error file: the same on every finalize attempt, so a retry cannot add a twin."""
+    return "file-" + hashlib.sha256(f"{batch_id}/{role}".encode()).hexdigest()[:24]
+
+
+class Pipeline:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        sessions: SessionFactory,
+        store: ObjectStore,
+        redis: Redis,
+        engine: EngineHandle,
+        enqueue_run_chunk: Callable[[str, int], None],
+        enqueue_finalize: Callable[[str], None],
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.store = store
+        self.redis = redis
+        self.engine = engine
+        self.enqueue_run_chunk = enqueue_run_chunk
+        self.enqueue_finalize = enqueue_finalize
+
+    # -----------------------------------------------------------------------------------------------------
+    # validate
+
+    def validate(self, batch_id: str) -> None:
+        with self.sessions() as session:
+            batch = session.get(Batch, batch_id)
+            if batch is None:
+                return
+            status, project_id, input_file_id, endpoint = (
+                batch.status,
+                batch.project_id,
+                batch.input_file_id,
+                batch.endpoint,
+            )
+        if status == BatchStatus.in_progress:  # a re-delivered validate: its chunks may not all have been enqueued
+            self._enqueue_pending_chunks(batch_id)
+            return
+        if status not in (BatchStatus.validating, BatchStatus.cancelling):
+            return
+
+        validator = BatchLineValidator(self.engine.tokenizer, self.engine.max_model_len, endpoint)  # type: ignore[arg-type]
+        tally = _ValidationTally()
+        chunks: list[_ChunkDraft] = []
+        try:
+            with self.store.upload_stream(validation_errors_key(batch_id)) as errors:
+                chunks = self._split(
+                    self.store.open_stream(file_key(project_id, input_file_id)), validator, tally, errors.write
+                )
+        except ObjectNotFound:  # the input's bytes are gone (deleted after the batch was created)
+            self._fail(batch_id, "invalid_file", f"input file {input_file_id} no longer exists")
+            return
+
+        if tally.lines == 0:
+            self._fail(batch_id, "empty_file", "the input file holds no requests")
+            return
+        if tally.not_json == tally.lines:
+            self._fail(
+                batch_id,
+                "invalid_file_format",
+                f"the input file is not JSONL: no line is a JSON object ({tally.first_problem})",
+            )
+            return
+        self._record_chunks(batch_id, chunks, tally)
+
+    def _split(
+        self,
+        blocks: Iterable[bytes],
+        validator: BatchLineValidator,
+        tally: _ValidationTally,
+        write_error: Callable[[bytes], None],
+    ) -> list[_ChunkDraft]:
+        chunks: list[_ChunkDraft] = []
+        draft: _ChunkDraft | None = None
+        for line_number, start, end, line in iter_lines(blocks):
+            if draft is None:
+                draft = _ChunkDraft(byte_start=start, first_line=line_number)
+            draft.byte_end = end
+            if not line.strip():  # blank lines carry no request
+                continue
+            tally.lines += 1
+            checked = validator.validate(line)
+            if isinstance(checked, LineError):
+                tally.invalid += 1
+                tally.not_json += checked.code == "invalid_json_line"
+                message = f"line {line_number}: {checked.message}"
+                tally.first_problem = tally.first_problem or message
+                located = LineError(checked.custom_id, checked.code, message)
+                write_error(error_record(located).model_dump_json().encode() + b"\n")
+                draft.rejected_lines.append(line_number)
+                continue
+            tally.valid += 1
+            draft.num_requests += 1
+            if draft.num_requests == self.settings.chunk_size:
+                chunks.append(draft)
+                draft = None
+        if draft is not None and draft.num_requests > 0:
+            chunks.append(draft)
+        return chunks
+
+    def _record_chunks(self, batch_id: str, drafts: list[_ChunkDraft], tally: _ValidationTally) -> None:
+        with self.sessions.begin() as session:
+            batch = _lock_batch(session, batch_id)
+            if batch is None or batch.status not in (BatchStatus.validating, BatchStatus.cancelling):
+                return
+            batch.total_requests = tally.lines
+            batch.failed_requests = tally.invalid
+            cancelled = batch.status == BatchStatus.cancelling
+            if not cancelled:
+                session.add_all(
+                    Chunk(
+                        batch_id=batch_id,
+                        index=index,
+                        byte_start=draft.byte_start,
+                        byte_end=draft.byte_end,
+                        first_line=draft.first_line,
+                        num_requests=draft.num_requests,
+                        rejected_lines=draft.rejected_lines,
+                        status=ChunkStatus.pending,
+                    )
+                    for index, draft in enumerate(drafts)
+                )
+                batch.status = BatchStatus.in_progress if drafts else BatchStatus.finalizing
+                batch.in_progress_at = utcnow()
+                if not drafts:
+                    batch.finalizing_at = batch.in_progress_at
+        if cancelled or not drafts:
+            self.enqueue_finalize(batch_id)
+            return
+        for index in range(len(drafts)):
+            self.enqueue_run_chunk(batch_id, index)
+
+    def _enqueue_pending_chunks(self, batch_id: str) -> None:
+        with self.sessions() as session:
+            pending = session.scalars(
+                select(Chunk.index).where(Chunk.batch_id == batch_id, Chunk.status == ChunkStatus.pending)
+            ).all()
+        for index in pending:
+            self.enqueue_run_chunk(batch_id, index)
+
+    def _fail(self, batch_id: str, code: str, message: str) -> None:
+        with self.sessions.begin() as session:
+            batch = _lock_batch(session, batch_id)
+            if batch is None or batch.status not in (BatchStatus.validating, BatchStatus.cancelling):
+                return
+            batch.status = BatchStatus.failed
+            batch.failed_at = utcnow()
+            batch.errors = [{"code": code, "message": message, "param": None, "line": None}]
+
+    # -----------------------------------------------------------------------------------------------------
+    # run_chunk
+
+    def run_chunk(self, batch_id: str, index: int) -> None:
+        with self.sessions() as session:
+            chunk = session.get(Chunk, (batch_id, index))
+            batch = session.get(Batch, batch_id)
+            if chunk is None or batch is None:
+                return
+            session.expunge_all()
+        if chunk.status == ChunkStatus.pending:
+            if batch.status == BatchStatus.cancelling:
+                self._finish_chunk(batch_id, index, ChunkStatus.skipped, 0, 0)
+            elif batch.status == BatchStatus.in_progress:
+                self._complete_chunk(batch, chunk)
+        self._maybe_finalize(batch_id)
+
+    def _complete_chunk(self, batch: Batch, chunk: Chunk) -> None:
+        finished = self.store.head(chunk_output_key(batch.id, chunk.index))
+        if finished is not None:  # ran to the end before its worker died; only the bookkeeping is missing
+            log.info("batch %s chunk %d: output already written, marking it done", batch.id, chunk.index)
+            self._finish_chunk(
+                batch.id,
+                chunk.index,
+                ChunkStatus.done,
+                int(finished.metadata["completed"]),
+                int(finished.metadata["failed"]),
+            )
+            return
+        lease = self.redis.lock(
+            f"{self.settings.redis_prefix}chunk-lease:{batch.id}:{chunk.index}",
+            timeout=self.settings.chunk_lease_seconds,
+            blocking=False,
+        )
+        if not lease.acquire():
+            raise ChunkBusy(f"chunk {chunk.index} of {batch.id} is running elsewhere")
+        stop_renewing = threading.Event()
+        renewer = threading.Thread(
+            target=_keep_renewing, args=(lease, stop_renewing, self.settings.chunk_lease_seconds / 3), daemon=True
+        )
+        renewer.start()
+        try:
+            completed, failed = self._run_requests(batch, chunk)
+            self._finish_chunk(batch.id, chunk.index, ChunkStatus.done, completed, failed)
+            log.info("batch %s chunk %d: %d completed, %d failed", batch.id, chunk.index, completed, failed)
+        finally:
+            stop_renewing.set()
+            renewer.join()
+            try:
+                lease.release()
+            except LockError:  # it lapsed meanwhile; whoever took it over will find the output and skip
+                pass
+
+    def _run_requests(self, batch: Batch, chunk: Chunk) -> tuple[int, int]:
+        data = self.store.read_range(file_key(batch.project_id, batch.input_file_id), chunk.byte_start, chunk.byte_end)
+        validator = BatchLineValidator(self.engine.tokenizer, self.engine.max_model_len, batch.endpoint)  # type: ignore[arg-type]
+        rejected = set(chunk.rejected_lines)
+        run_id = secrets.token_hex(4)  # keeps engine request ids unique should a lapsed lease let this chunk run twice
+        submitted: list[tuple[BatchRequest, RequestHandle]] = []
+        error_lines: list[bytes] = []
+        for line_number, _, _, line in iter_lines([data], chunk.first_line, chunk.byte_start):
+            if line_number in rejected or not line.strip():
+                continue
+            checked = validator.validate(line)
+            if isinstance(checked, LineError):  # validate accepted this line; only a changed model could refuse it now
+                error_lines.append(error_record(checked).model_dump_json().encode() + b"\n")
+                continue
+            handle = self.engine.loop.submit(
+                checked.prompt_token_ids,
+                checked.sampling_params,
+                request_id=f"{batch.id}/{chunk.index}/{line_number}/{run_id}",
+            )
+            submitted.append((checked, handle))
+
+        output_lines: list[bytes] = []
+        for request, handle in submitted:
+            try:
+                result = handle.result()
+            except ValueError as refused:  # the engine refused the request itself; only this line fails
+                record = error_record(LineError(request.custom_id, "invalid_parameter", str(refused)))
+            else:
+                record = response_record(request, result, model=self.engine.model_name, tokenizer=self.engine.tokenizer)
+            (output_lines if record.error is None else error_lines).append(record.model_dump_json().encode() + b"\n")
+
+        completed, failed = len(output_lines), len(error_lines)
+        self.store.put_bytes(chunk_errors_key(batch.id, chunk.index), b"".join(error_lines))
+        self.store.put_bytes(
+            chunk_output_key(batch.id, chunk.index),
+            b"".join(output_lines),
+            metadata={"completed": str(completed), "failed": str(failed)},
+        )
+        return completed, failed
+
+    def _finish_chunk(self, batch_id: str, index: int, status: ChunkStatus, completed: int, failed: int) -> None:
+        with self.sessions.begin() as session:
+            claimed = session.execute(
+                update(Chunk)
+                .where(Chunk.batch_id == batch_id, Chunk.index == index, Chunk.status == ChunkStatus.pending)
+                .values(status=status, completed_requests=completed, failed_requests=failed, finished_at=utcnow())
+                .returning(Chunk.index)
+            ).first()
+            if claimed is not None and (completed or failed):
+                session.execute(
+                    update(Batch)
+                    .where(Batch.id == batch_id)
+                    .values(
+                        completed_requests=Batch.completed_requests + completed,
+                        failed_requests=Batch.failed_requests + failed,
+                    )
+                )
+
+    def _maybe_finalize(self, batch_id: str) -> None:
+        with self.sessions.begin() as session:
+            batch = _lock_batch(session, batch_id)
+            if batch is None or batch.status not in (
+                BatchStatus.in_progress,
+                BatchStatus.finalizing,
+                BatchStatus.cancelling,
+            ):
+                return
+            if batch.status != BatchStatus.finalizing and has_pending_chunks(session, batch_id):
+                return
+            if batch.status == BatchStatus.in_progress:
+                batch.status = BatchStatus.finalizing
+                batch.finalizing_at = utcnow()
+        self.enqueue_finalize(batch_id)
+
+    # -----------------------------------------------------------------------------------------------------
+    # finalize
+
+    def finalize(self, batch_id: str) -> None:
+        with self.sessions() as session:
+            batch = session.get(Batch, batch_id)
+            if batch is None or batch.status not in (BatchStatus.finalizing, BatchStatus.cancelling):
+                return
+            if has_pending_chunks(
+                session, batch_id
+            ):  # a cancel arrived; the remaining chunks will skip, then call again
+                return
+            done = session.scalars(
+                select(Chunk.index)
+                .where(Chunk.batch_id == batch_id, Chunk.status == ChunkStatus.done)
+                .order_by(Chunk.index)
+            ).all()
+            project_id = batch.project_id
+            completed, failed = batch.completed_requests, batch.failed_requests
+
+        files: list[File] = []
+        output_file_id = error_file_id = None
+        if completed:
+            output_file_id = derived_file_id(batch_id, "output")
+            sources = [chunk_output_key(batch_id, index) for index in done]
+            files.append(self._compose_file(project_id, output_file_id, f"{batch_id}_output.jsonl", sources))
+        if failed:
+            error_file_id = derived_file_id(batch_id, "error")
+            sources = [validation_errors_key(batch_id)] + [chunk_errors_key(batch_id, index) for index in done]
+            files.append(self._compose_file(project_id, error_file_id, f"{batch_id}_error.jsonl", sources))
+
+        with self.sessions.begin() as session:
+            batch = _lock_batch(session, batch_id)
+            if batch is None or batch.status not in (BatchStatus.finalizing, BatchStatus.cancelling):
+                return
+            for file in files:
+                if session.get(File, file.id) is None:
+                    session.add(file)
+            now = utcnow()
+            if batch.status == BatchStatus.cancelling:
+                batch.status, batch.cancelled_at = BatchStatus.cancelled, now
+            else:
+                batch.status, batch.completed_at = BatchStatus.completed, now
+            batch.output_file_id, batch.error_file_id = output_file_id, error_file_id
+
+    def _compose_file(self, project_id: str, file_id: str, filename: str, sources: list[str]) -> File:
+        existing = [key for key in sources if self.store.exists(key)]
+        key = file_key(project_id, file_id)
+        size = self.store.compose(key, existing)
+        return File(
+            id=file_id,
+            project_id=project_id,
+            filename=filename,
+            purpose=FilePurpose.batch_output,
+            bytes=size,
+            object_key=key,
+        )
+
+
+def _keep_renewing(lease: Lock, stop: threading.Event, every_seconds: float) -> None:
+    while not stop.wait(every_seconds):
+        try:
+            lease.reacquire()
+        except LockError:
+            return
+
+
+def _lock_batch(session: Session, batch_id: str) -> Batch | None:
+    """The batch row, locked until the transaction ends: status changes of one batch happen one at a time."""
+    return session.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())

@@ -1,0 +1,75 @@
+"""The GPU worker process: one engine, stepped by its own thread, fed by many concurrent run_chunk tasks.
+
+Celery runs tasks on a thread pool here, so every run_chunk of this process submits into the same
+`EngineLoop`: the running batch stays full across chunk, job and tenant boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from redis import Redis
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from jobs.celery_app import CONTROL_QUEUE, GPU_QUEUE, celery_app
+from jobs.db import make_engine, make_session_factory
+from jobs.pipeline import EngineHandle, Pipeline
+from jobs.settings import Settings
+from jobs.storage import ObjectStore
+
+log = logging.getLogger(__name__)
+
+# Slots beyond the chunk tasks, so validate and finalize never wait behind a full house of chunks.
+CONTROL_SLOTS = 2
+
+_pipeline: Pipeline | None = None
+_pipeline_lock = threading.Lock()
+
+
+def build_pipeline(settings: Settings) -> Pipeline:
+    from jobs import tasks
+
+    log.info("loading model %s", settings.model)
+    engine = LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options)
+    if engine.tokenizer is None:
+        raise ValueError(f"model {settings.model!r} has no tokenizer; the batch API needs one to read prompts")
+    loop = EngineLoop(engine).start()
+    store = ObjectStore(settings.s3)
+    store.ensure_bucket()
+    return Pipeline(
+        settings=settings,
+        sessions=make_session_factory(make_engine(settings.database_url)),
+        store=store,
+        redis=Redis.from_url(settings.redis_url),
+        engine=EngineHandle(
+            loop=loop, tokenizer=engine.tokenizer, max_model_len=engine.max_model_len, model_name=engine.model_name
+        ),
+        enqueue_run_chunk=tasks.enqueue_run_chunk,
+        enqueue_finalize=tasks.enqueue_finalize,
+    )
+
+
+def get_pipeline() -> Pipeline:
+    global _pipeline
+    with _pipeline_lock:
+        if _pipeline is None:
+            _pipeline = build_pipeline(Settings.from_env())
+        return _pipeline
+
+
+def run_worker(settings: Settings, queues: list[str] | None = None, loglevel: str = "INFO") -> None:
+    concurrency = settings.effective_worker_concurrency + CONTROL_SLOTS
+    get_pipeline()  # before consuming: a model that cannot load fails the worker at start, not every task
+    celery_app.worker_main(
+        [
+            "worker",
+            "--pool=threads",
+            f"--concurrency={concurrency}",
+            "--queues=" + ",".join(queues or [GPU_QUEUE, CONTROL_QUEUE]),
+            f"--loglevel={loglevel}",
+            "--without-gossip",
+            "--without-mingle",
+        ]
+    )

@@ -1,0 +1,1 @@
+"""Alembic migrations of the service's PostgreSQL schema (`conveyor db upgrade`)."""

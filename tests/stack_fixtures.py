@@ -1,0 +1,118 @@
+"""Fixtures for the real service: a scratch PostgreSQL database, a private Redis key prefix, API and worker processes.
+
+Every test run gets its own database and Redis prefix (and, from `service_fixtures`, its own bucket), so runs
+that share this machine's servers, CI's included, never see each other's data or queues.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from conveyor.local_stack import (
+    ManagedProcess,
+    free_port,
+    scratch_database,
+    scratch_redis_prefix,
+    start_api,
+    start_worker,
+)
+from jobs import db
+from jobs.keys import create_key_in_database
+from jobs.settings import S3Settings, Settings
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "CONVEYOR_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+REDIS_URL = os.environ.get("CONVEYOR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture
+def empty_database_url() -> Iterator[str]:
+    with scratch_database(POSTGRES_ADMIN_URL) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    with scratch_database(POSTGRES_ADMIN_URL) as url:
+        db.upgrade(url)
+        yield url
+
+
+@pytest.fixture(scope="session")
+def service_settings(database_url: str, s3_settings: S3Settings) -> Iterator[Settings]:
+    with scratch_redis_prefix(REDIS_URL) as prefix:
+        yield Settings(
+            database_url=database_url,
+            redis_url=REDIS_URL,
+            redis_prefix=prefix,
+            s3=s3_settings,
+            chunk_size=16,
+            worker_concurrency=4,
+            task_visibility_timeout=15,  # a killed worker's tasks come back within ~20 s
+            chunk_lease_seconds=6,
+            engine_options={"max_num_seqs": 64},
+            api_port=free_port(),
+        )
+
+
+@dataclass
+class Stack:
+    """One API process and one worker process sharing a configuration."""
+
+    settings: Settings
+    folder: Path
+    api: ManagedProcess | None = None
+    worker: ManagedProcess | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.api_host}:{self.settings.api_port}/v1"
+
+    def start_api(self) -> None:
+        self.api = start_api(self.settings, self.folder / "api.log")
+
+    def start_worker(self) -> ManagedProcess:
+        self.worker = start_worker(self.settings, self.folder / "worker.log")
+        return self.worker
+
+    def new_key(self, project: str) -> str:
+        return create_key_in_database(self.settings.database_url, project).secret
+
+    def stop(self) -> None:
+        for process in (self.worker, self.api):
+            if process is not None:
+                process.stop()
+
+
+@contextmanager
+def running_stack(settings: Settings, folder: Path, with_worker: bool = True) -> Iterator[Stack]:
+    folder.mkdir(parents=True, exist_ok=True)
+    stack = Stack(settings, folder)
+    try:
+        stack.start_api()
+        if with_worker:
+            stack.start_worker()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(service_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The shared stack: API + one worker on SmolLM2, for tests that leave it running."""
+    with running_stack(service_settings, tmp_path_factory.mktemp("stack")) as shared:
+        yield shared
+
+
+@pytest.fixture
+def private_stack_settings(service_settings: Settings) -> Iterator[Settings]:
+    """Settings for a stack of a test's own: same database and bucket, its own queues and port."""
+    with scratch_redis_prefix(REDIS_URL) as prefix:
+        yield replace(service_settings, redis_prefix=prefix, api_port=free_port())
