@@ -38,6 +38,9 @@ class BlockManager:
         self._host_free: list[int] = list(reversed(range(num_host_blocks)))
         self._host_tables: dict[int, list[int]] = {}
         self._pending_copies: BlockPairs = []
+        # Copy sources released while their copy is pending: reused only once the copies are taken,
+        # so no block is both read and overwritten by one step's (concurrent) copies.
+        self._released_copy_sources: list[int] = []
 
     # ---- reading --------------------------------------------------------------------------
 
@@ -139,6 +142,9 @@ class BlockManager:
     def take_copies(self) -> BlockPairs:
         """Copy-on-write copies queued since the last call, for the runner to perform."""
         copies, self._pending_copies = self._pending_copies, []
+        for block in self._released_copy_sources:
+            self._recycle(block)
+        self._released_copy_sources.clear()
         return copies
 
     # ---- swapping -------------------------------------------------------------------------
@@ -182,7 +188,15 @@ class BlockManager:
 
     def _release(self, block: int) -> None:
         self._ref_counts[block] -= 1
-        if self._ref_counts[block] == 0 and not (self.prefix_cache and self.prefix_cache.release(block)):
+        if self._ref_counts[block] > 0:
+            return
+        if any(source == block for source, _ in self._pending_copies):
+            self._released_copy_sources.append(block)
+        else:
+            self._recycle(block)
+
+    def _recycle(self, block: int) -> None:
+        if not (self.prefix_cache and self.prefix_cache.release(block)):
             self._free.append(block)
 
     def check_invariants(self) -> None:
@@ -197,7 +211,11 @@ class BlockManager:
         cache = self.prefix_cache
         for block in range(self.num_blocks):
             assert holders[block] == self._ref_counts[block], f"block {block}: ref count != holders"
-            unheld = block in free or (cache is not None and cache.is_evictable(block))
+            unheld = (
+                block in free
+                or (cache is not None and cache.is_evictable(block))
+                or block in self._released_copy_sources
+            )
             assert unheld == (holders[block] == 0), f"block {block}: free xor held violated"
             assert not (block in free and cache is not None and cache.is_evictable(block)), f"block {block} twice"
         if cache is not None:

@@ -246,6 +246,9 @@ def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
         elif kind == "step":
             out = scheduler.schedule()
             assert out.num_batched_tokens <= budget
+            sources, destinations = [s for s, _ in out.blocks_to_copy], [d for _, d in out.blocks_to_copy]
+            # the copy kernel runs the pairs concurrently
+            assert len(set(destinations)) == len(destinations) and not set(destinations) & set(sources)
             runner._move_blocks(out)
             for item in out.scheduled:
                 seq = seqs[item.seq_id]
