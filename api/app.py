@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from api import batches, files
+from api.auth import KeyCache
 from api.errors import install_error_handlers
 from jobs.db import make_engine, make_session_factory
 from jobs.settings import Settings
@@ -32,6 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessions = make_session_factory(make_engine(settings.database_url))
+    app.state.keys = KeyCache(app.state.sessions)
     app.state.store = store
     install_error_handlers(app)
     app.include_router(files.router)

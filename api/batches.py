@@ -6,7 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api.deps import ProjectDep, SessionDep
+from api.auth import ProjectDep
+from api.deps import SessionsDep
 from api.schemas import BatchObject, CreateBatch, ListPage
 from jobs import batches
 from jobs.pagination import MAX_PAGE_SIZE
@@ -16,41 +17,43 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 
 @router.post("", response_model=BatchObject)
-def create_batch(body: CreateBatch, session: SessionDep, project_id: ProjectDep) -> BatchObject:
-    batch = batches.create_batch(
-        session,
-        project_id,
-        input_file_id=body.input_file_id,
-        endpoint=body.endpoint,
-        completion_window=body.completion_window,
-        metadata=body.metadata,
-    )
-    session.commit()
+def create_batch(body: CreateBatch, sessions: SessionsDep, project_id: ProjectDep) -> BatchObject:
+    with sessions.begin() as session:
+        batch = batches.create_batch(
+            session,
+            project_id,
+            input_file_id=body.input_file_id,
+            endpoint=body.endpoint,
+            completion_window=body.completion_window,
+            metadata=body.metadata,
+        )
     enqueue_validate(batch.id)
     return BatchObject.of(batch)
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-def retrieve_batch(batch_id: str, session: SessionDep, project_id: ProjectDep) -> BatchObject:
-    return BatchObject.of(batches.get_batch(session, project_id, batch_id))
+def retrieve_batch(batch_id: str, sessions: SessionsDep, project_id: ProjectDep) -> BatchObject:
+    with sessions() as session:
+        return BatchObject.of(batches.get_batch(session, project_id, batch_id))
 
 
 @router.get("", response_model=ListPage[BatchObject])
 def list_batches(
-    session: SessionDep,
+    sessions: SessionsDep,
     project_id: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 20,
 ) -> ListPage[BatchObject]:
-    page = batches.list_batches(session, project_id, after=after, limit=limit)
+    with sessions() as session:
+        page = batches.list_batches(session, project_id, after=after, limit=limit)
     data = [BatchObject.of(row) for row in page.rows]
     return ListPage.of(data, page.has_more)
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)
-def cancel_batch(batch_id: str, session: SessionDep, project_id: ProjectDep) -> BatchObject:
-    batch, finalize_now = batches.request_cancel(session, project_id, batch_id)
-    session.commit()
+def cancel_batch(batch_id: str, sessions: SessionsDep, project_id: ProjectDep) -> BatchObject:
+    with sessions.begin() as session:
+        batch, finalize_now = batches.request_cancel(session, project_id, batch_id)
     if finalize_now:
         enqueue_finalize(batch.id)
     return BatchObject.of(batch)

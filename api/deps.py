@@ -1,49 +1,34 @@
-"""Dependencies every route shares: a database session, the object store, and the caller's project."""
+"""Dependencies every route shares: the session factory, the object store and the settings.
+
+They are `async` so that FastAPI resolves them on the event loop instead of a threadpool hop each. Routes
+open their session themselves and close it within the same hop, in one `with` block: a pooled connection
+is never held while a request waits for a thread, which under load would deadlock the thread pool
+against the connection pool.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
-from sqlalchemy.orm import Session
 
-from jobs.errors import ServiceError
-from jobs.keys import project_for_key
+from jobs.db import SessionFactory
 from jobs.settings import Settings
 from jobs.storage import ObjectStore
 
 
-def get_session(request: Request) -> Iterator[Session]:
-    with request.app.state.sessions() as session:
-        yield session
+async def get_sessions(request: Request) -> SessionFactory:
+    return request.app.state.sessions
 
 
-def get_store(request: Request) -> ObjectStore:
+async def get_store(request: Request) -> ObjectStore:
     return request.app.state.store
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def current_project(request: Request, session: Annotated[Session, Depends(get_session)]) -> str:
-    """The project of the `Authorization: Bearer <key>` header; every object a route touches must belong to it."""
-    scheme, _, secret = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secret.strip():
-        raise ServiceError(
-            "unauthorized",
-            "You didn't provide an API key. Send it in the Authorization header as 'Bearer YOUR_KEY' "
-            "(`conveyor keys create --project NAME` makes one).",
-            code="missing_api_key",
-        )
-    project_id = project_for_key(session, secret.strip())
-    if project_id is None:
-        raise ServiceError("unauthorized", "Incorrect API key provided.", code="invalid_api_key")
-    return project_id
-
-
-SessionDep = Annotated[Session, Depends(get_session)]
+SessionsDep = Annotated[SessionFactory, Depends(get_sessions)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-ProjectDep = Annotated[str, Depends(current_project)]

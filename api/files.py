@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import ProjectDep, SessionDep, SettingsDep, StoreDep
+from api.auth import ProjectDep
+from api.deps import SessionsDep, SettingsDep, StoreDep
 from api.schemas import DeletedFile, FileObject, ListPage
 from api.upload import receive_form
 from jobs import files
@@ -44,7 +45,7 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers around the f
     },
 )
 async def upload_file(
-    request: Request, session: SessionDep, store: StoreDep, settings: SettingsDep, project_id: ProjectDep
+    request: Request, sessions: SessionsDep, store: StoreDep, settings: SettingsDep, project_id: ProjectDep
 ) -> FileObject:
     declared = int(request.headers.get("content-length") or 0)
     if declared > settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES:
@@ -65,16 +66,16 @@ async def upload_file(
         raise
 
     def record() -> FileObject:
-        row = files.record_file(
-            session,
-            file_id=file_id,
-            project_id=project_id,
-            filename=form.filename,
-            purpose=purpose,
-            size=form.size,
-            object_key=key,
-        )
-        session.commit()
+        with sessions.begin() as session:
+            row = files.record_file(
+                session,
+                file_id=file_id,
+                project_id=project_id,
+                filename=form.filename,
+                purpose=purpose,
+                size=form.size,
+                object_key=key,
+            )
         return FileObject.of(row)
 
     return await run_in_threadpool(record)
@@ -82,26 +83,29 @@ async def upload_file(
 
 @router.get("", response_model=ListPage[FileObject])
 def list_files(
-    session: SessionDep,
+    sessions: SessionsDep,
     project_id: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = MAX_PAGE_SIZE,
     order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,
 ) -> ListPage[FileObject]:
-    page = files.list_files(session, project_id, after=after, limit=limit, order=order, purpose=purpose)
+    with sessions() as session:
+        page = files.list_files(session, project_id, after=after, limit=limit, order=order, purpose=purpose)
     data = [FileObject.of(row) for row in page.rows]
     return ListPage.of(data, page.has_more)
 
 
 @router.get("/{file_id}", response_model=FileObject)
-def retrieve_file(file_id: str, session: SessionDep, project_id: ProjectDep) -> FileObject:
-    return FileObject.of(files.get_file(session, project_id, file_id))
+def retrieve_file(file_id: str, sessions: SessionsDep, project_id: ProjectDep) -> FileObject:
+    with sessions() as session:
+        return FileObject.of(files.get_file(session, project_id, file_id))
 
 
 @router.get("/{file_id}/content", response_class=StreamingResponse)
-def download_file(file_id: str, session: SessionDep, store: StoreDep, project_id: ProjectDep) -> StreamingResponse:
-    row = files.get_file(session, project_id, file_id)
+def download_file(file_id: str, sessions: SessionsDep, store: StoreDep, project_id: ProjectDep) -> StreamingResponse:
+    with sessions() as session:
+        row = files.get_file(session, project_id, file_id)
     return StreamingResponse(
         store.open_stream(row.object_key),
         media_type="application/octet-stream",
@@ -110,6 +114,7 @@ def download_file(file_id: str, session: SessionDep, store: StoreDep, project_id
 
 
 @router.delete("/{file_id}", response_model=DeletedFile)
-def delete_file(file_id: str, session: SessionDep, store: StoreDep, project_id: ProjectDep) -> DeletedFile:
-    files.delete_file(session, store, project_id, file_id)
+def delete_file(file_id: str, sessions: SessionsDep, store: StoreDep, project_id: ProjectDep) -> DeletedFile:
+    with sessions() as session:
+        files.delete_file(session, store, project_id, file_id)
     return DeletedFile(id=file_id)

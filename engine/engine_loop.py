@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -87,6 +87,27 @@ class EngineLoop:
     def start(self) -> "EngineLoop":
         self._thread.start()
         return self
+
+    @classmethod
+    def build(cls, make_engine: Callable[[], LLMEngine]) -> "EngineLoop":
+        """A started loop whose engine was constructed on the loop thread itself; an error while
+        building is raised here. On CPU, PyTorch's OpenMP worker team belongs to the thread that first
+        ran a parallel op: an engine loaded on one thread and stepped on another runs two teams that
+        contend for the same cores."""
+        built: Future[EngineLoop] = Future()
+
+        def build_then_run() -> None:
+            try:
+                loop = cls(make_engine())
+            except BaseException as error:
+                built.set_exception(error)
+                return
+            loop._thread = threading.current_thread()
+            built.set_result(loop)
+            loop._run()
+
+        threading.Thread(target=build_then_run, name="engine-loop", daemon=True).start()
+        return built.result()
 
     def stop(self) -> None:
         """Abort whatever is still in flight (callers get finish_reason 'abort') and join the thread."""

@@ -52,8 +52,8 @@ def create_key_in_database(database_url: str, project_name: str) -> CreatedKey:
         engine.dispose()
 
 
-def project_for_key(session: Session, secret: str) -> str | None:
-    """The project id a secret belongs to; None for an unknown or revoked key."""
+def project_for_key_hash(session: Session, key_hash: str) -> str | None:
+    """The project id of the key with this hash; None for an unknown or revoked key."""
     return session.scalar(
-        select(ApiKey.project_id).where(ApiKey.key_hash == hash_key(secret), ApiKey.revoked_at.is_(None))
+        select(ApiKey.project_id).where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
     )

@@ -32,10 +32,13 @@ def build_pipeline(settings: Settings) -> Pipeline:
     from jobs import tasks
 
     log.info("loading model %s", settings.model)
-    engine = LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options)
+    loop = EngineLoop.build(
+        lambda: LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options)
+    )
+    engine = loop.engine
     if engine.tokenizer is None:
+        loop.stop()
         raise ValueError(f"model {settings.model!r} has no tokenizer; the batch API needs one to read prompts")
-    loop = EngineLoop(engine).start()
     store = ObjectStore(settings.s3)
     store.ensure_bucket()
     return Pipeline(

@@ -183,3 +183,25 @@ def test_stop_aborts_in_flight_requests_and_joins(llm: LLM, prompts: list[list[i
         loop.submit(prompts[0], GREEDY)
     assert loop.num_in_flight == 0
     assert_idle(llm)
+
+
+def test_build_constructs_the_engine_on_the_loop_thread_and_raises_its_errors(llm: LLM, prompts: list[list[int]]) -> None:
+    built_on: list[str] = []
+
+    def make_engine():
+        built_on.append(threading.current_thread().name)
+        return llm.engine
+
+    loop = EngineLoop.build(make_engine)
+    try:
+        assert built_on == ["engine-loop"]
+        assert loop.submit(prompts[0], GREEDY).result(TIMEOUT).outputs[0].finish_reason in ("stop", "length")
+    finally:
+        loop.stop()
+    assert_idle(llm)
+
+    def broken() -> None:
+        raise FileNotFoundError("no such model")
+
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        EngineLoop.build(broken)
