@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from api.auth import ProjectDep
-from api.deps import SessionsDep
+from api.deps import ReadSessionsDep, WriteSessionsDep
 from api.schemas import BatchObject, CreateBatch, ListPage
 from jobs import batches
 from jobs.pagination import MAX_PAGE_SIZE
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 
 @router.post("", response_model=BatchObject)
-def create_batch(body: CreateBatch, sessions: SessionsDep, project_id: ProjectDep) -> BatchObject:
+def create_batch(body: CreateBatch, sessions: WriteSessionsDep, project_id: ProjectDep) -> BatchObject:
     with sessions.begin() as session:
         batch = batches.create_batch(
             session,
@@ -32,14 +32,14 @@ def create_batch(body: CreateBatch, sessions: SessionsDep, project_id: ProjectDe
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-def retrieve_batch(batch_id: str, sessions: SessionsDep, project_id: ProjectDep) -> BatchObject:
+def retrieve_batch(batch_id: str, sessions: ReadSessionsDep, project_id: ProjectDep) -> BatchObject:
     with sessions() as session:
         return BatchObject.of(batches.get_batch(session, project_id, batch_id))
 
 
 @router.get("", response_model=ListPage[BatchObject])
 def list_batches(
-    sessions: SessionsDep,
+    sessions: ReadSessionsDep,
     project_id: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 20,
@@ -51,7 +51,7 @@ def list_batches(
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)
-def cancel_batch(batch_id: str, sessions: SessionsDep, project_id: ProjectDep) -> BatchObject:
+def cancel_batch(batch_id: str, sessions: WriteSessionsDep, project_id: ProjectDep) -> BatchObject:
     with sessions.begin() as session:
         batch, finalize_now = batches.request_cancel(session, project_id, batch_id)
     if finalize_now:

@@ -1,4 +1,4 @@
-"""Dependencies every route shares: the session factory, the object store and the settings.
+"""Dependencies every route shares: session factories, the object store and the settings.
 
 They are `async` so that FastAPI resolves them on the event loop instead of a threadpool hop each. Routes
 open their session themselves and close it within the same hop, in one `with` block: a pooled connection
@@ -17,8 +17,12 @@ from jobs.settings import Settings
 from jobs.storage import ObjectStore
 
 
-async def get_sessions(request: Request) -> SessionFactory:
-    return request.app.state.sessions
+async def get_read_sessions(request: Request) -> SessionFactory:
+    return request.app.state.read_sessions
+
+
+async def get_write_sessions(request: Request) -> SessionFactory:
+    return request.app.state.write_sessions
 
 
 async def get_store(request: Request) -> ObjectStore:
@@ -29,6 +33,7 @@ async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-SessionsDep = Annotated[SessionFactory, Depends(get_sessions)]
+ReadSessionsDep = Annotated[SessionFactory, Depends(get_read_sessions)]  # one statement per round trip, no transaction
+WriteSessionsDep = Annotated[SessionFactory, Depends(get_write_sessions)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

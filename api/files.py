@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import ProjectDep
-from api.deps import SessionsDep, SettingsDep, StoreDep
+from api.deps import ReadSessionsDep, SettingsDep, StoreDep, WriteSessionsDep
 from api.schemas import DeletedFile, FileObject, ListPage
 from api.upload import receive_form
 from jobs import files
@@ -45,7 +45,7 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers around the f
     },
 )
 async def upload_file(
-    request: Request, sessions: SessionsDep, store: StoreDep, settings: SettingsDep, project_id: ProjectDep
+    request: Request, sessions: WriteSessionsDep, store: StoreDep, settings: SettingsDep, project_id: ProjectDep
 ) -> FileObject:
     declared = int(request.headers.get("content-length") or 0)
     if declared > settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES:
@@ -83,7 +83,7 @@ async def upload_file(
 
 @router.get("", response_model=ListPage[FileObject])
 def list_files(
-    sessions: SessionsDep,
+    sessions: ReadSessionsDep,
     project_id: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = MAX_PAGE_SIZE,
@@ -97,13 +97,13 @@ def list_files(
 
 
 @router.get("/{file_id}", response_model=FileObject)
-def retrieve_file(file_id: str, sessions: SessionsDep, project_id: ProjectDep) -> FileObject:
+def retrieve_file(file_id: str, sessions: ReadSessionsDep, project_id: ProjectDep) -> FileObject:
     with sessions() as session:
         return FileObject.of(files.get_file(session, project_id, file_id))
 
 
 @router.get("/{file_id}/content", response_class=StreamingResponse)
-def download_file(file_id: str, sessions: SessionsDep, store: StoreDep, project_id: ProjectDep) -> StreamingResponse:
+def download_file(file_id: str, sessions: ReadSessionsDep, store: StoreDep, project_id: ProjectDep) -> StreamingResponse:
     with sessions() as session:
         row = files.get_file(session, project_id, file_id)
     return StreamingResponse(
@@ -114,7 +114,7 @@ def download_file(file_id: str, sessions: SessionsDep, store: StoreDep, project_
 
 
 @router.delete("/{file_id}", response_model=DeletedFile)
-def delete_file(file_id: str, sessions: SessionsDep, store: StoreDep, project_id: ProjectDep) -> DeletedFile:
+def delete_file(file_id: str, sessions: WriteSessionsDep, store: StoreDep, project_id: ProjectDep) -> DeletedFile:
     with sessions() as session:
         files.delete_file(session, store, project_id, file_id)
     return DeletedFile(id=file_id)

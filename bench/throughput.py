@@ -19,7 +19,7 @@ import torch
 
 from bench.common import run_cli
 from engine import LLM, SamplingParams
-from engine.config import resolve_dtype
+from engine.dtypes import resolve_dtype
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
 
 PreemptionMode = Literal["recompute", "swap"]
 
@@ -103,23 +102,3 @@ class EngineConfig:
             raise ValueError("swap_space and max_swap_blocks_per_step must be >= 0")
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
-
-
-def cpu_has_fast_bf16() -> bool:
-    """oneDNN's bf16 kernels need AVX-512 (BF16/AMX) or AVX-NE-CONVERT; elsewhere bf16 is emulated, several times
-    slower than float32 (an AVX2-only EPYC: 6.7 ms vs 1.0 ms for a 64x576x1536 matmul)."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' picks bfloat16 where it is fast (recent GPUs, CPUs with AVX-512 BF16 or AMX), else float32."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type != "cpu" or cpu_has_fast_bf16() else torch.float32
-    names = { "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-             "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
-    return names[dtype]

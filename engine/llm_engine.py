@@ -20,7 +20,8 @@ import torch
 from engine.attention import TorchAttention
 from engine.beam_search import Beam, BeamSearchState, NextBeam, beam_search_step, best_hypotheses
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig, cpu_has_fast_bf16, resolve_dtype
+from engine.config import EngineConfig, ModelConfig
+from engine.dtypes import cpu_has_fast_bf16, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer, decode_complete
 from engine.kv_cache import allocate_host_kv_cache, allocate_kv_cache, bytes_per_block, num_host_blocks, num_kv_blocks
 from engine.loader import init_dummy_weights, iter_safetensors

@@ -14,14 +14,19 @@ import migrations
 SessionFactory = sessionmaker[Session]
 
 
-def make_engine(database_url: str, pool_size: int = 10) -> Engine:
-    # pre_ping: a worker outlives Postgres restarts; a dead pooled connection is replaced, not raised.
-    return create_engine(database_url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=True)
+def make_engine(database_url: str, pool_size: int = 10, pre_ping: bool = True) -> Engine:
+    """pre_ping: test each pooled connection before use (one round trip), so a process that outlives a
+    Postgres restart gets a fresh connection instead of an error. Without it, the first use of a dead
+    connection fails and the whole pool is replaced."""
+    return create_engine(database_url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=pre_ping)
 
 
-def make_session_factory(engine: Engine) -> SessionFactory:
+def make_session_factory(engine: Engine, read_only: bool = False) -> SessionFactory:
+    """read_only: every statement commits on its own, so a read costs one round trip, not BEGIN,
+    SELECT and ROLLBACK; for work whose statements need no common snapshot or locks."""
+    bind = engine.execution_options(isolation_level="AUTOCOMMIT") if read_only else engine
     # expire_on_commit=False: rows read in a transaction stay readable after it, e.g. to build a response.
-    return sessionmaker(engine, expire_on_commit=False)
+    return sessionmaker(bind, expire_on_commit=False)
 
 
 def alembic_config(database_url: str) -> Config:

@@ -22,6 +22,7 @@ import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from redis import Redis
 from redis.exceptions import LockError
@@ -29,7 +30,6 @@ from redis.lock import Lock
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from engine.engine_loop import EngineLoop, RequestHandle
 from jobs.batch_format import (
     BatchLineValidator,
     BatchRequest,
@@ -44,6 +44,9 @@ from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, File, FilePurpos
 from jobs.object_keys import chunk_errors_key, chunk_output_key, file_key, validation_errors_key
 from jobs.settings import Settings
 from jobs.storage import ObjectNotFound, ObjectStore
+
+if TYPE_CHECKING:  # the API imports the tasks, and through them this module, but runs no engine (nor torch)
+    from engine.engine_loop import EngineLoop, RequestHandle
 
 LineNumber = int
 log = logging.getLogger(__name__)

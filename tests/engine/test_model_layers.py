@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import cpu_has_fast_bf16
+from engine.dtypes import cpu_has_fast_bf16
 from engine.models.llama import Linear
 
 needs_onednn = pytest.mark.skipif(not cpu_has_fast_bf16(), reason="oneDNN's bf16 kernels need AVX-512 BF16, AMX or AVX-NE-CONVERT")
