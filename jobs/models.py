@@ -11,7 +11,7 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, Enum, ForeignKey, Index, Integer, String, func
+from sqlalchemy import BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -93,6 +93,10 @@ class Batch(Base):
     input_file_id: Mapped[str] = mapped_column(String(64))
     endpoint: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
+    # The engine's scheduling priority for every request of the batch: lower runs first (vLLM's convention).
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Set for batches a schedule created with a webhook: their events go to that endpoint only.
+    webhook_endpoint_id: Mapped[str | None] = mapped_column(String(64))
     status: Mapped[BatchStatus] = mapped_column(Enum(BatchStatus, name="batch_status"), default=BatchStatus.validating)
     batch_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONB)
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)  # batch-level errors (OpenAI's errors.data)
@@ -135,3 +139,107 @@ class Chunk(Base):
     completed_requests: Mapped[int] = mapped_column(Integer, default=0)
     failed_requests: Mapped[int] = mapped_column(Integer, default=0)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class WebhookEndpoint(Base):
+    """Where a project wants batch events POSTed, and the secret that signs them (Standard Webhooks)."""
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("wh_"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    url: Mapped[str] = mapped_column(String(2048))
+    events: Mapped[list[str]] = mapped_column(JSONB)  # event types, e.g. ["batch.completed", "batch.failed"]
+    secret: Mapped[str] = mapped_column(String(128))  # "whsec_" + base64; needed in clear to sign
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class WebhookEvent(Base):
+    """One event about one batch (`batch.completed`, ...): created once, delivered to each subscribed endpoint."""
+
+    __tablename__ = "webhook_events"
+    __table_args__ = (UniqueConstraint("batch_id", "type", name="uq_webhook_events_batch_type"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("evt_"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    type: Mapped[str] = mapped_column(String(64))
+    batch_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class DeliveryStatus(str, enum.Enum):
+    pending = "pending"  # attempts remain
+    succeeded = "succeeded"  # an attempt got a 2xx
+    failed = "failed"  # every attempt failed
+
+
+class WebhookDelivery(Base):
+    """An event on its way to one endpoint."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (UniqueConstraint("event_id", "endpoint_id", name="uq_webhook_deliveries_event_endpoint"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("whd_"))
+    event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True)
+    status: Mapped[DeliveryStatus] = mapped_column(
+        Enum(DeliveryStatus, name="delivery_status"), default=DeliveryStatus.pending
+    )
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class WebhookAttempt(Base):
+    """One HTTP POST of a delivery: what happened and how long it took."""
+
+    __tablename__ = "webhook_attempts"
+    __table_args__ = (UniqueConstraint("delivery_id", "number", name="uq_webhook_attempts_delivery_number"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[str] = mapped_column(ForeignKey("webhook_deliveries.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)  # 1-based
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    latency_ms: Mapped[float] = mapped_column(Float)
+    status_code: Mapped[int | None] = mapped_column(Integer)  # None: no HTTP answer (refused, timeout, ...)
+    error: Mapped[str | None] = mapped_column(Text)
+    succeeded: Mapped[bool] = mapped_column(Boolean)
+
+
+class Schedule(Base):
+    """A recurring batch: at each time the cron expression names (in its time zone), a batch from the template."""
+
+    __tablename__ = "schedules"
+    __table_args__ = (
+        Index("ix_schedules_project_created", "project_id", "created_at", "id"),
+        Index("ix_schedules_next_fire_at", "next_fire_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("sched_"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    cron: Mapped[str] = mapped_column(String(128))  # five fields, e.g. "0 2 * * *"
+    timezone: Mapped[str] = mapped_column(String(64))  # IANA name, e.g. "Europe/Paris"
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    # Exactly one of the two: one input file, or every object under an S3 prefix (concatenated) at fire time.
+    input_file_id: Mapped[str | None] = mapped_column(String(64))
+    input_prefix: Mapped[str | None] = mapped_column(String(1024))
+    batch_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONB)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    webhook_endpoint_id: Mapped[str | None] = mapped_column(String(64))
+    paused: Mapped[bool] = mapped_column(Boolean, default=False)
+    next_fire_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # UTC
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ScheduleFire(Base):
+    """The guard that makes each fire time of a schedule create one batch, whatever beats run."""
+
+    __tablename__ = "schedule_fires"
+
+    schedule_id: Mapped[str] = mapped_column(ForeignKey("schedules.id", ondelete="CASCADE"), primary_key=True)
+    fire_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    batch_id: Mapped[str | None] = mapped_column(String(64))  # None: the fire failed (see error)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -9,7 +9,10 @@ from sqlalchemy import create_engine, inspect, text
 from jobs import db
 from jobs.models import Base
 
-TABLES = {"projects", "api_keys", "files", "batches", "chunks"}
+TABLES = {
+    "projects", "api_keys", "files", "batches", "chunks",
+    "webhook_endpoints", "webhook_events", "webhook_deliveries", "webhook_attempts", "schedules", "schedule_fires",
+}
 
 
 def _tables(url: str) -> set[str]:
