@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench_command(subcommands)
     _add_api_command(subcommands)
     _add_worker_command(subcommands)
+    _add_beat_command(subcommands)
     _add_db_command(subcommands)
     _add_keys_command(subcommands)
     args = parser.parse_args(argv)
@@ -154,6 +155,24 @@ def _worker(args: argparse.Namespace) -> int:
     from jobs.worker import run_worker
 
     run_worker(Settings.from_env(), queues=args.queues.split(","), loglevel=args.loglevel)
+    return 0
+
+
+def _add_beat_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    beat = subcommands.add_parser(
+        "beat",
+        help="run Celery beat: sends the periodic sweeps (due schedules, expired batches, webhook retries)",
+        description="Send the periodic sweep tasks every CONVEYOR_BEAT_INTERVAL_SECONDS. Running two beats is "
+        "safe: every sweep claims its work in the database.",
+    )
+    beat.add_argument("--loglevel", default="INFO")
+    beat.set_defaults(handler=_beat)
+
+
+def _beat(args: argparse.Namespace) -> int:
+    from jobs.celery_app import celery_app
+
+    celery_app.Beat(loglevel=args.loglevel, quiet=True).run()
     return 0
 
 

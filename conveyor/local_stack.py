@@ -93,17 +93,27 @@ def start_api(settings: Settings, log_path: Path, timeout_s: float = 60.0, worke
 
 def start_worker(settings: Settings, log_path: Path, timeout_s: float = 180.0) -> ManagedProcess:
     """`conveyor worker`; returns once Celery reports it ready (the engine is loaded before that)."""
-    argv = [sys.executable, "-m", "conveyor", "worker"]
+    return _start_logging_process("worker", settings, log_path, b" ready.", timeout_s)
+
+
+def start_beat(settings: Settings, log_path: Path, timeout_s: float = 60.0) -> ManagedProcess:
+    """`conveyor beat`; returns once it has started sending the periodic sweeps."""
+    return _start_logging_process("beat", settings, log_path, b"beat: Starting", timeout_s)
+
+
+def _start_logging_process(
+    command: str, settings: Settings, log_path: Path, ready_line: bytes, timeout_s: float
+) -> ManagedProcess:
     log_start = log_path.stat().st_size if log_path.exists() else 0
-    worker = ManagedProcess("conveyor worker", argv, service_env(settings), log_path)
+    process = ManagedProcess(f"conveyor {command}", [sys.executable, "-m", "conveyor", command], service_env(settings), log_path)
 
     def ready() -> bool:
         with log_path.open("rb") as log:
             log.seek(log_start)
-            return b" ready." in log.read()
+            return ready_line in log.read()
 
-    worker.wait_until(ready, timeout_s)
-    return worker
+    process.wait_until(ready, timeout_s)
+    return process
 
 
 def _answers(url: str) -> bool:

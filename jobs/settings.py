@@ -45,6 +45,7 @@ class Settings:
     max_upload_bytes: int = 200 * 1000 * 1000  # largest file POST /v1/files accepts (200 MB)
     task_visibility_timeout: float = 600.0  # seconds before Redis hands an unacknowledged task to another worker
     chunk_lease_seconds: float = 60.0  # a running chunk's claim; renewed while it runs, lapses when its worker dies
+    beat_interval_seconds: float = 10.0  # how often beat runs the periodic sweeps (schedules, expiry, webhook retries)
     api_host: str = "127.0.0.1"
     api_port: int = 8000
 
