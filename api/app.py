@@ -7,13 +7,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from redis import Redis
 from starlette.concurrency import run_in_threadpool
 
-from api import batches, files
+from api import batches, files, schedules, webhooks
 from api.auth import KeyCache
 from api.errors import install_error_handlers
+from api.observability import install_observability
 from jobs.db import make_engine, make_session_factory
 from jobs.settings import Settings
+from jobs.stop_flags import StopFlags
 from jobs.storage import ObjectStore
 
 ROUTE_THREADS = 40  # anyio's default thread limiter, which runs FastAPI's sync routes and dependencies
@@ -47,7 +50,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.write_sessions = make_session_factory(database)
     app.state.keys = KeyCache(app.state.read_sessions)
     app.state.store = store
+    app.state.stop_flags = StopFlags(Redis.from_url(settings.redis_url), settings.redis_prefix)
     install_error_handlers(app)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(webhooks.router)
+    app.include_router(schedules.router)
+    install_observability(app, settings)
     return app

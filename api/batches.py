@@ -7,17 +7,20 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from api.auth import ProjectDep
-from api.deps import ReadSessionsDep, WriteSessionsDep
+from api.deps import ReadSessionsDep, SettingsDep, StopFlagsDep, WriteSessionsDep
 from api.schemas import BatchObject, CreateBatch, ListPage
 from jobs import batches
 from jobs.pagination import MAX_PAGE_SIZE
+from jobs.stop_flags import StopReason
 from jobs.tasks import enqueue_finalize, enqueue_validate
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 
 @router.post("", response_model=BatchObject)
-def create_batch(body: CreateBatch, sessions: WriteSessionsDep, project_id: ProjectDep) -> BatchObject:
+def create_batch(
+    body: CreateBatch, sessions: WriteSessionsDep, settings: SettingsDep, project_id: ProjectDep
+) -> BatchObject:
     with sessions.begin() as session:
         batch = batches.create_batch(
             session,
@@ -26,6 +29,8 @@ def create_batch(body: CreateBatch, sessions: WriteSessionsDep, project_id: Proj
             endpoint=body.endpoint,
             completion_window=body.completion_window,
             metadata=body.metadata,
+            priority=body.priority,
+            window_seconds=settings.completion_window_seconds,
         )
     enqueue_validate(batch.id)
     return BatchObject.of(batch)
@@ -51,9 +56,12 @@ def list_batches(
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)
-def cancel_batch(batch_id: str, sessions: WriteSessionsDep, project_id: ProjectDep) -> BatchObject:
+def cancel_batch(
+    batch_id: str, sessions: WriteSessionsDep, stop_flags: StopFlagsDep, project_id: ProjectDep
+) -> BatchObject:
     with sessions.begin() as session:
         batch, finalize_now = batches.request_cancel(session, project_id, batch_id)
     if finalize_now:
+        stop_flags.raise_flag(batch.id, StopReason.cancelled)  # running chunks abort their requests on seeing it
         enqueue_finalize(batch.id)
     return BatchObject.of(batch)

@@ -14,6 +14,7 @@ from fastapi import Depends, Request
 
 from jobs.db import SessionFactory
 from jobs.settings import Settings
+from jobs.stop_flags import StopFlags
 from jobs.storage import ObjectStore
 
 
@@ -33,7 +34,12 @@ async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
+async def get_stop_flags(request: Request) -> StopFlags:
+    return request.app.state.stop_flags
+
+
 ReadSessionsDep = Annotated[SessionFactory, Depends(get_read_sessions)]  # one statement per round trip, no transaction
 WriteSessionsDep = Annotated[SessionFactory, Depends(get_write_sessions)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+StopFlagsDep = Annotated[StopFlags, Depends(get_stop_flags)]

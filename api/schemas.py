@@ -7,7 +7,11 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs.models import Batch, File
+from jobs.models import Batch, File, Schedule, ScheduleFire, WebhookAttempt, WebhookEndpoint
+from jobs.schedules import ScheduleSpec, inbox_uri, run_id
+from jobs.settings import S3Settings
+from jobs.webhook_signing import secret_hint
+from jobs.webhooks import DeliveryHistory
 
 ItemT = TypeVar("ItemT")
 
@@ -64,6 +68,8 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    # Not in OpenAI's API (SDKs send it with extra_body): lower runs first, from -100 to 100.
+    priority: int = 0
 
 
 class RequestCounts(BaseModel):
@@ -105,6 +111,7 @@ class BatchObject(BaseModel):
     cancelled_at: int | None
     request_counts: RequestCounts
     metadata: dict[str, str] | None = Field(default=None)
+    priority: int = 0
 
     @classmethod
     def of(cls, row: Batch) -> "BatchObject":
@@ -131,4 +138,180 @@ class BatchObject(BaseModel):
                 total=row.total_requests, completed=row.completed_requests, failed=row.failed_requests
             ),
             metadata=row.batch_metadata,
+            priority=row.priority,
+        )
+
+
+class CreateSchedule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cron: str = Field(description="five cron fields (minute hour day-of-month month day-of-week), e.g. '0 2 * * *'")
+    timezone: str = Field(default="UTC", description="IANA time zone the cron fields are read in")
+    endpoint: str
+    completion_window: str
+    input_file_id: str | None = Field(default=None, description="an uploaded file; or give input_prefix")
+    input_prefix: str | None = Field(
+        default=None, description="every object under this prefix of the project's inbox, concatenated at each fire"
+    )
+    metadata: dict[str, str] | None = None
+    priority: int = Field(default=0, description="the batches' engine priority: lower runs first")
+    webhook_endpoint_id: str | None = None
+
+    def spec(self) -> ScheduleSpec:
+        return ScheduleSpec(**self.model_dump())
+
+
+class ScheduleObject(BaseModel):
+    id: str
+    object: Literal["schedule"] = "schedule"
+    cron: str
+    timezone: str
+    endpoint: str
+    completion_window: str
+    input_file_id: str | None
+    input_prefix: str | None
+    input_uri: str | None  # where the project's tools put the objects an input_prefix reads
+    metadata: dict[str, str] | None
+    priority: int
+    webhook_endpoint_id: str | None
+    paused: bool
+    next_fire_at: int
+    created_at: int
+
+    @classmethod
+    def of(cls, row: Schedule, s3: S3Settings) -> "ScheduleObject":
+        return cls(
+            id=row.id,
+            cron=row.cron,
+            timezone=row.timezone,
+            endpoint=row.endpoint,
+            completion_window=row.completion_window,
+            input_file_id=row.input_file_id,
+            input_prefix=row.input_prefix,
+            input_uri=None if row.input_prefix is None else inbox_uri(s3, row.project_id, row.input_prefix),
+            metadata=row.batch_metadata,
+            priority=row.priority,
+            webhook_endpoint_id=row.webhook_endpoint_id,
+            paused=row.paused,
+            next_fire_at=int(row.next_fire_at.timestamp()),
+            created_at=int(row.created_at.timestamp()),
+        )
+
+
+class DeletedSchedule(BaseModel):
+    id: str
+    object: Literal["schedule.deleted"] = "schedule.deleted"
+    deleted: bool = True
+
+
+class ScheduleRunObject(BaseModel):
+    """One fire time of a schedule: the batch it created, or why it could not."""
+
+    id: str
+    object: Literal["schedule.run"] = "schedule.run"
+    schedule_id: str
+    fire_time: int
+    batch_id: str | None
+    error: str | None
+    created_at: int
+
+    @classmethod
+    def of(cls, row: ScheduleFire) -> "ScheduleRunObject":
+        return cls(
+            id=run_id(row.fire_time),
+            schedule_id=row.schedule_id,
+            fire_time=int(row.fire_time.timestamp()),
+            batch_id=row.batch_id,
+            error=row.error,
+            created_at=int(row.created_at.timestamp()),
+        )
+
+
+class CreateWebhookEndpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="http(s) URL that receives the events; must resolve to a public address")
+    events: list[str] | None = Field(default=None, description="event types to send; default: every batch.* type")
+
+
+class WebhookEndpointObject(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    url: str
+    events: list[str]
+    secret_hint: str
+    created_at: int
+
+    @classmethod
+    def of(cls, row: WebhookEndpoint) -> "WebhookEndpointObject":
+        return cls(
+            id=row.id,
+            url=row.url,
+            events=row.events,
+            secret_hint=secret_hint(row.secret),
+            created_at=int(row.created_at.timestamp()),
+        )
+
+
+class CreatedWebhookEndpoint(WebhookEndpointObject):
+    """The one answer that shows the signing secret."""
+
+    secret: str
+
+    @classmethod
+    def of(cls, row: WebhookEndpoint) -> "CreatedWebhookEndpoint":
+        return cls(**WebhookEndpointObject.of(row).model_dump(), secret=row.secret)
+
+
+class DeletedWebhookEndpoint(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint.deleted"] = "webhook_endpoint.deleted"
+    deleted: bool = True
+
+
+class WebhookAttemptObject(BaseModel):
+    number: int
+    started_at: float  # unix seconds, fractional: retries may be less than a second apart
+    latency_ms: float
+    status_code: int | None  # None: no HTTP answer (refused, unreachable, timed out)
+    error: str | None
+    succeeded: bool
+
+    @classmethod
+    def of(cls, row: WebhookAttempt) -> "WebhookAttemptObject":
+        return cls(
+            number=row.number,
+            started_at=row.started_at.timestamp(),
+            latency_ms=round(row.latency_ms, 1),
+            status_code=row.status_code,
+            error=row.error,
+            succeeded=row.succeeded,
+        )
+
+
+class WebhookDeliveryObject(BaseModel):
+    id: str
+    object: Literal["webhook_delivery"] = "webhook_delivery"
+    event_id: str
+    event_type: str
+    batch_id: str
+    status: str  # pending (attempts remain), succeeded, failed (every attempt failed)
+    attempts: list[WebhookAttemptObject]
+    next_attempt_at: int | None
+    created_at: int
+    finished_at: int | None
+
+    @classmethod
+    def of(cls, history: DeliveryHistory) -> "WebhookDeliveryObject":
+        delivery, event = history.delivery, history.event
+        return cls(
+            id=delivery.id,
+            event_id=event.id,
+            event_type=event.type,
+            batch_id=event.batch_id,
+            status=delivery.status.value,
+            attempts=[WebhookAttemptObject.of(attempt) for attempt in history.attempts],
+            next_attempt_at=_unix(delivery.next_attempt_at),
+            created_at=int(delivery.created_at.timestamp()),
+            finished_at=_unix(delivery.finished_at),
         )

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="OpenAI-compatible batch inference.")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_command(subcommands)
+    _add_up_command(subcommands)
     _add_bench_command(subcommands)
     _add_api_command(subcommands)
     _add_worker_command(subcommands)
@@ -87,6 +88,31 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_up_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    up = subcommands.add_parser(
+        "up",
+        help="run the whole batch service on this machine (API, worker, beat; embedded PostgreSQL, Redis, S3)",
+        description="Start the API, one worker and beat in the foreground. PostgreSQL, Redis and S3 run embedded, "
+        "with their data under --data-dir, unless CONVEYOR_DATABASE_URL, CONVEYOR_REDIS_URL or "
+        "CONVEYOR_S3_ENDPOINT_URL is set. Migrations run on every start; the first start prints an API key. "
+        "Ctrl-C (or SIGTERM) stops everything; starting again on the same data directory finds the data again.",
+    )
+    up.add_argument(
+        "--data-dir",
+        type=Path,
+        help="where the embedded servers keep their data (default: $XDG_DATA_HOME/conveyor, ~/.local/share/conveyor)",
+    )
+    up.add_argument("--host", help="interface the API listens on (default: CONVEYOR_API_HOST)")
+    up.add_argument("--port", type=int, help="port the API listens on (default: CONVEYOR_API_PORT)")
+    up.set_defaults(handler=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from conveyor.up import UpOptions, default_data_dir, run_up
+
+    return run_up(UpOptions(data_dir=args.data_dir or default_data_dir(), api_host=args.host, api_port=args.port))
+
+
 def _add_bench_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from bench import throughput
 
@@ -123,6 +149,7 @@ def _add_api_command(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
 def _api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from jobs.logging_setup import logging_config
     from jobs.settings import Settings
 
     settings = Settings.from_env()
@@ -133,6 +160,7 @@ def _api(args: argparse.Namespace) -> int:
         port=args.port or settings.api_port,
         workers=args.workers,
         log_level="info",
+        log_config=logging_config(settings.log_format),
         access_log=False,
     )
     return 0
@@ -151,10 +179,13 @@ def _add_worker_command(subcommands: argparse._SubParsersAction[argparse.Argumen
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from jobs.logging_setup import configure_logging
     from jobs.settings import Settings
     from jobs.worker import run_worker
 
-    run_worker(Settings.from_env(), queues=args.queues.split(","), loglevel=args.loglevel)
+    settings = Settings.from_env()
+    configure_logging(settings, args.loglevel)
+    run_worker(settings, queues=args.queues.split(","), loglevel=args.loglevel)
     return 0
 
 
@@ -171,7 +202,10 @@ def _add_beat_command(subcommands: argparse._SubParsersAction[argparse.ArgumentP
 
 def _beat(args: argparse.Namespace) -> int:
     from jobs.celery_app import celery_app
+    from jobs.logging_setup import configure_logging
+    from jobs.settings import Settings
 
+    configure_logging(Settings.from_env(), args.loglevel)
     celery_app.Beat(loglevel=args.loglevel, quiet=True).run()
     return 0
 

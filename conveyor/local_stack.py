@@ -42,13 +42,19 @@ class ManagedProcess:
         )
 
     def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> None:
+        """Return once `ready()`. If the process exits, the time runs out or the wait is interrupted (Ctrl-C during
+        a start), the process is stopped before the error propagates: the caller never got a handle to stop it."""
         deadline = time.monotonic() + timeout_s
-        while not ready():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.2)
+        try:
+            while not ready():
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
+from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -74,10 +75,15 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _ReadStats:
+    answer: Future[EngineStats]
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: list[_Submit | _Abort] = []
+        self._commands: list[_Submit | _Abort | _ReadStats] = []
         self._wakeup = threading.Condition()
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
@@ -143,6 +149,17 @@ class EngineLoop:
             self._commands.append(_Abort(request_id))
             self._wakeup.notify()
 
+    def stats(self, timeout: float | None = None) -> EngineStats:
+        """The engine's stats, taken by the loop thread between two steps: the engine's queues and pools are
+        only consistent there. Waits for the step in progress, if any."""
+        answer: Future[EngineStats] = Future()
+        with self._wakeup:
+            if self._stopping:
+                raise RuntimeError("the engine loop is stopped")
+            self._commands.append(_ReadStats(answer))
+            self._wakeup.notify()
+        return answer.result(timeout)
+
     @property
     def num_in_flight(self) -> int:
         return len(self._handles)
@@ -163,7 +180,13 @@ class EngineLoop:
             if self.engine.has_unfinished_requests():
                 self._step()
 
-    def _apply(self, command: _Submit | _Abort) -> None:
+    def _apply(self, command: _Submit | _Abort | _ReadStats) -> None:
+        if isinstance(command, _ReadStats):
+            try:
+                command.answer.set_result(self.engine.stats())
+            except Exception as error:  # the reader gets the error; the loop thread must live on
+                command.answer.set_exception(error)
+            return
         if isinstance(command, _Abort):
             output = self.engine.abort_request(command.request_id)
             handle = self._handles.pop(command.request_id, None)

@@ -61,6 +61,8 @@ class _Request:
     beams: BeamSearchState | None = None  # beam search's finished hypotheses
     beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> its next-token log-probs
     beam_results: list[CompletionOutput] | None = None  # beam search's answer, once it is done
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -265,6 +267,7 @@ class LLMEngine:
         counters.steps += 1
         counters.last_step_seconds = time.perf_counter() - started
         counters.step_seconds += counters.last_step_seconds
+        counters.step_time.observe(counters.last_step_seconds)
         counters.prompt_tokens_computed += prompt_tokens
         counters.batched_tokens += out.num_batched_tokens
         counters.requests_finished += sum(output.finished for output in outputs)
@@ -324,6 +327,11 @@ class LLMEngine:
         if result is None:
             self.scheduler.update(out, {}, self._seqs)
             return []
+        now = time.monotonic()
+        for request in requests:
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.counters.time_to_first_token.observe(now - request.arrival_time)
         token_ids = result.token_ids.tolist()
         token_logprobs = result.logprobs.tolist()
         top = (result.top_logprobs[0].tolist(), result.top_logprobs[1].tolist()) if result.top_logprobs else None
@@ -475,4 +483,9 @@ class LLMEngine:
 
     def _finalize(self, request: _Request) -> RequestOutput:
         del self._requests[request.request_id]
-        return self._snapshot(request)
+        output = self._snapshot(request)
+        generated = max((len(completion.token_ids) for completion in output.outputs), default=0)
+        if request.first_token_time is not None and generated > 1:
+            per_token = (time.monotonic() - request.first_token_time) / (generated - 1)
+            self.counters.time_per_output_token.observe(per_token)
+        return output

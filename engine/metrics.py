@@ -6,7 +6,37 @@ snapshot is computed on demand, off the step's hot path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from bisect import bisect_left
+from dataclasses import dataclass, field, replace
+
+# Bucket upper bounds in seconds. Batch requests may wait long in the queue before their first token.
+STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class Histogram:
+    """Observation counts per bucket, Prometheus-style (a value lands in the first bucket whose bound is >= it)."""
+
+    bounds: tuple[float, ...]  # ascending upper bounds; one more bucket past the last catches the rest (+Inf)
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative
+    total: float = 0.0  # sum of the observed values
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def snapshot(self) -> "Histogram":
+        return Histogram(self.bounds, list(self.counts), self.total)
 
 
 @dataclass
@@ -22,9 +52,20 @@ class StepCounters:
     last_step_seconds: float = 0.0
     last_step_tokens: int = 0  # tokens computed in the last step: prefill chunks + decodes
     last_step_sequences: int = 0  # the effective batch size of the last step
+    step_time: Histogram = field(default_factory=lambda: Histogram(STEP_SECONDS_BUCKETS))
+    # Per request: from add_request to its first sampled token.
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TIME_TO_FIRST_TOKEN_BUCKETS))
+    # Per finished request: (finish - first token) / (tokens - 1), so preemption stalls count too.
+    time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TIME_PER_OUTPUT_TOKEN_BUCKETS))
 
     def snapshot(self) -> "StepCounters":
-        return replace(self)
+        """A copy that later steps do not change (histograms included), for a reader on another thread."""
+        return replace(
+            self,
+            step_time=self.step_time.snapshot(),
+            time_to_first_token=self.time_to_first_token.snapshot(),
+            time_per_output_token=self.time_per_output_token.snapshot(),
+        )
 
 
 @dataclass(frozen=True)

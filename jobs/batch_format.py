@@ -45,6 +45,7 @@ ErrorCode = Literal[
     "invalid_parameter",  # well-typed but out of range or contradictory
     "context_length_exceeded",
     "generation_aborted",
+    "batch_expired",  # the batch's completion window ended before this request ran to the end
 ]
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -14,6 +14,8 @@ from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, FilePurpose, utc
 from jobs.pagination import Page, paginate
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
+# Engine scheduling priority of a batch's requests: lower runs first (vLLM's convention); 0 is the default.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
 # OpenAI's metadata limits: a client that fits them there fits them here.
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -28,7 +30,34 @@ def create_batch(
     endpoint: str,
     completion_window: str,
     metadata: dict[str, str] | None,
+    priority: int = 0,
+    window_seconds: float | None = None,
 ) -> Batch:
+    """window_seconds: how long the batch may take before it expires (Settings.completion_window_seconds);
+    None: the length completion_window names."""
+    check_batch_options(endpoint=endpoint, completion_window=completion_window, metadata=metadata)
+    check_priority(priority)
+    check_input_file(session, project_id, input_file_id)
+    now = utcnow()
+    window = COMPLETION_WINDOWS[completion_window] if window_seconds is None else timedelta(seconds=window_seconds)
+    batch = Batch(
+        project_id=project_id,
+        input_file_id=input_file_id,
+        endpoint=endpoint,
+        completion_window=completion_window,
+        priority=priority,
+        status=BatchStatus.validating,
+        batch_metadata=metadata,
+        created_at=now,
+        expires_at=now + window,
+    )
+    session.add(batch)
+    session.flush()
+    return batch
+
+
+def check_batch_options(*, endpoint: str, completion_window: str, metadata: dict[str, str] | None) -> None:
+    """What a batch needs besides its input; schedules check their template with it before any batch exists."""
     if endpoint not in ENDPOINTS:
         raise ServiceError(
             "invalid_request", f"endpoint must be one of {list(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
@@ -40,6 +69,18 @@ def create_batch(
             param="completion_window",
         )
     _check_metadata(metadata)
+
+
+def check_priority(priority: int) -> None:
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ServiceError(
+            "invalid_request",
+            f"priority must be an integer from {MIN_PRIORITY} (most urgent) to {MAX_PRIORITY}, got {priority}",
+            param="priority",
+        )
+
+
+def check_input_file(session: Session, project_id: str, input_file_id: str) -> None:
     input_file = get_file(session, project_id, input_file_id)
     if input_file.purpose != FilePurpose.batch:
         raise ServiceError(
@@ -47,20 +88,6 @@ def create_batch(
             f"file {input_file_id} has purpose {input_file.purpose.value!r}; a batch input needs purpose 'batch'",
             param="input_file_id",
         )
-    now = utcnow()
-    batch = Batch(
-        project_id=project_id,
-        input_file_id=input_file_id,
-        endpoint=endpoint,
-        completion_window=completion_window,
-        status=BatchStatus.validating,
-        batch_metadata=metadata,
-        created_at=now,
-        expires_at=now + COMPLETION_WINDOWS[completion_window],
-    )
-    session.add(batch)
-    session.flush()
-    return batch
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -91,21 +118,20 @@ def list_batches(session: Session, project_id: str, *, after: str | None, limit:
 
 
 def request_cancel(session: Session, project_id: str, batch_id: str) -> tuple[Batch, bool]:
-    """Move the batch to `cancelling`. Returns it and whether finalize must be enqueued now: true when no chunk
-    is left to notice the cancel (otherwise the last chunk task to finish or skip enqueues it)."""
+    """Move the batch to `cancelling`. Returns it and whether finalize must be enqueued now: true once its chunks
+    exist, since finalize drops the queued ones at once and the running ones call it again when they stop.
+    Cancelling again repeats that, so a client retrying a cancel whose enqueue failed gets it done."""
     batch = get_batch(session, project_id, batch_id, for_update=True)
-    if batch.status == BatchStatus.cancelling:
-        return batch, False
-    if batch.status not in (BatchStatus.validating, BatchStatus.in_progress):
+    if batch.status not in (BatchStatus.validating, BatchStatus.in_progress, BatchStatus.cancelling):
         raise ServiceError(
             "conflict", f"Cannot cancel a batch with status {batch.status.value!r}", code="batch_not_cancellable"
         )
-    was_validating = batch.status == BatchStatus.validating
-    batch.status = BatchStatus.cancelling
-    batch.cancelling_at = utcnow()
-    session.flush()
-    # While validating, the validate task owns the batch and finishes the cancel itself.
-    return batch, not was_validating and not has_pending_chunks(session, batch_id)
+    if batch.status != BatchStatus.cancelling:
+        batch.status = BatchStatus.cancelling
+        batch.cancelling_at = utcnow()
+        session.flush()
+    # Before its chunks exist the validate task owns the batch and finishes the cancel itself.
+    return batch, batch.in_progress_at is not None
 
 
 def has_pending_chunks(session: Session, batch_id: str) -> bool:

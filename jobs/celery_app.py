@@ -10,10 +10,18 @@ from __future__ import annotations
 
 from celery import Celery
 
+from jobs.batches import MAX_PRIORITY as MAX_BATCH_PRIORITY
+from jobs.batches import MIN_PRIORITY as MIN_BATCH_PRIORITY
 from jobs.settings import Settings
 
 CONTROL_QUEUE = "control"
 GPU_QUEUE = "gpu"
+# The Redis transport's message priorities, 0 the most urgent (one Redis list per level, polled in order). Tasks
+# sent without one (validate, finalize, the sweeps) get 0: a freed worker thread takes them before any chunk.
+# Chunks get 1..9 from their batch's priority (lower runs first), the default batch priority 0 the middle level:
+# an urgent batch's chunks are fetched before queued bulk ones.
+MESSAGE_PRIORITIES = list(range(10))
+DEFAULT_CHUNK_MESSAGE_PRIORITY = 5
 PERIODIC_TASKS = {  # beat entry -> task name
     "fire-due-schedules": "conveyor.fire_due_schedules",
     "expire-batches": "conveyor.expire_batches",
@@ -31,6 +39,7 @@ def create_celery_app(settings: Settings) -> Celery:
             # Look for such tasks every few seconds (kombu's default sweep is every ~100 s).
             "unacked_restore_interval": max(1, min(10, int(settings.task_visibility_timeout / 4))),
             "unacked_restore_throttle": 1,
+            "priority_steps": MESSAGE_PRIORITIES,
         },
         broker_connection_retry_on_startup=True,
         task_acks_late=True,  # acknowledged after the task ran: a crash mid-task means re-delivery, not loss
@@ -40,8 +49,11 @@ def create_celery_app(settings: Settings) -> Celery:
         accept_content=["json"],
         task_default_queue=CONTROL_QUEUE,
         task_routes={"conveyor.run_chunk": {"queue": GPU_QUEUE}},
-        # Late acks count running tasks against the prefetch limit: 2 x concurrency keeps one task ready per slot.
-        worker_prefetch_multiplier=2,
+        # A worker fetches a task only when a thread is free. Tasks prefetched into a worker would wait there in
+        # arrival order behind its chunks, out of reach of a priority batch's chunks, validate, finalize and the
+        # sweeps. Fetching costs a round trip; the engine does not notice, as a worker runs chunks for twice its
+        # running batch (Settings.effective_worker_concurrency).
+        worker_disable_prefetch=True,
         # Every entry is an interval; nothing to remember across restarts, so no schedule file.
         beat_scheduler="celery.beat:Scheduler",
         beat_schedule={
@@ -51,6 +63,18 @@ def create_celery_app(settings: Settings) -> Celery:
         },
     )
     return app
+
+
+def message_priority(batch_priority: int) -> int:
+    """The message priority of a batch's chunk tasks. The default batch priority 0 has a level of its own, so
+    any negative priority goes ahead of default work and any positive one behind it."""
+    clamped = min(max(batch_priority, MIN_BATCH_PRIORITY), MAX_BATCH_PRIORITY)
+    default = DEFAULT_CHUNK_MESSAGE_PRIORITY
+    if clamped < 0:  # -1 .. MIN over the levels between the control tasks' and the default
+        return default - 1 - (-clamped - 1) * (default - 1) // -MIN_BATCH_PRIORITY
+    if clamped > 0:  # 1 .. MAX over the levels after the default
+        return default + 1 + (clamped - 1) * (MESSAGE_PRIORITIES[-1] - default) // MAX_BATCH_PRIORITY
+    return default
 
 
 celery_app = create_celery_app(Settings.from_env())

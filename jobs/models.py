@@ -177,7 +177,10 @@ class WebhookDelivery(Base):
     """An event on its way to one endpoint."""
 
     __tablename__ = "webhook_deliveries"
-    __table_args__ = (UniqueConstraint("event_id", "endpoint_id", name="uq_webhook_deliveries_event_endpoint"),)
+    __table_args__ = (
+        UniqueConstraint("event_id", "endpoint_id", name="uq_webhook_deliveries_event_endpoint"),
+        Index("ix_webhook_deliveries_next_attempt_at", "next_attempt_at"),  # the sweep's "what is due"
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("whd_"))
     event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
@@ -186,7 +189,7 @@ class WebhookDelivery(Base):
         Enum(DeliveryStatus, name="delivery_status"), default=DeliveryStatus.pending
     )
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # None once finished
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 

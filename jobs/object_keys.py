@@ -18,3 +18,19 @@ def chunk_output_key(batch_id: str, index: int) -> str:
 
 def chunk_errors_key(batch_id: str, index: int) -> str:
     return f"batches/{batch_id}/chunks/{index:06d}.errors.jsonl"
+
+
+def expired_requests_key(batch_id: str) -> str:
+    """`batch_expired` error lines for the requests of an expired batch's chunks that never ran."""
+    return f"batches/{batch_id}/expired_requests.jsonl"
+
+
+def inbox_key(project_id: str, relative_key: str) -> str:
+    """A key in the project's inbox, where the project's own tools drop inputs that schedules read by prefix.
+
+    The trailing slash after the project id keeps one project's area from being a prefix of another's."""
+    return f"inbox/{project_id}/{relative_key}"
+
+
+# One newline byte, composed between inbox objects whose last line has no newline, so lines never merge.
+NEWLINE_KEY = "shared/newline"

@@ -10,16 +10,17 @@ from sqlalchemy import ColumnElement, select, tuple_
 from sqlalchemy.orm import Session
 
 from jobs.errors import ServiceError
-from jobs.models import Batch, File
+from jobs.models import Batch, File, Schedule, WebhookDelivery, WebhookEndpoint
 
-RowT = TypeVar("RowT", Batch, File)
+RowT = TypeVar("RowT", Batch, File, Schedule, WebhookEndpoint, WebhookDelivery)
+ItemT = TypeVar("ItemT")  # a page may hold rows paged some other way (a schedule's runs)
 MAX_PAGE_SIZE = 100
 Order = Literal["asc", "desc"]
 
 
 @dataclass(frozen=True)
-class Page(Generic[RowT]):
-    rows: list[RowT]
+class Page(Generic[ItemT]):
+    rows: list[ItemT]
     has_more: bool
 
 
@@ -34,14 +35,28 @@ def paginate(
     filters: Sequence[ColumnElement[bool]] = (),
 ) -> Page[RowT]:
     """One page of a project's rows ordered by (created_at, id); `after` names the last row of the previous page."""
+    owned = model.project_id == project_id
+    return paginate_within(session, model, owned, after=after, limit=limit, order=order, filters=filters)
+
+
+def paginate_within(
+    session: Session,
+    model: type[RowT],
+    scope: ColumnElement[bool],
+    *,
+    after: str | None,
+    limit: int,
+    order: Order = "desc",
+    filters: Sequence[ColumnElement[bool]] = (),
+) -> Page[RowT]:
+    """`paginate` for rows owned through something else (an endpoint's deliveries): `scope` selects the caller's
+    rows, the `after` cursor included; `filters` narrow the page only."""
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise ServiceError("invalid_request", f"limit must be between 1 and {MAX_PAGE_SIZE}", param="limit")
     key: Any = tuple_(model.created_at, model.id)
-    query = select(model).where(model.project_id == project_id, *filters)
+    query = select(model).where(scope, *filters)
     if after is not None:
-        cursor = session.execute(
-            select(model.created_at, model.id).where(model.project_id == project_id, model.id == after)
-        ).first()
+        cursor = session.execute(select(model.created_at, model.id).where(scope, model.id == after)).first()
         if cursor is None:
             raise ServiceError("invalid_request", f"no such object to page after: {after!r}", param="after")
         query = query.where(key < tuple_(*cursor) if order == "desc" else key > tuple_(*cursor))

@@ -17,21 +17,24 @@ idempotent, because with late acknowledgement any of them may run again after a 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from redis import Redis
-from redis.exceptions import LockError
+from redis.exceptions import LockError, RedisError
 from redis.lock import Lock
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from jobs.batch_format import (
     BatchLineValidator,
+    BatchOutputLine,
     BatchRequest,
     LineError,
     PromptTokenizer,
@@ -41,15 +44,26 @@ from jobs.batch_format import (
 from jobs.batches import has_pending_chunks
 from jobs.db import SessionFactory
 from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, File, FilePurpose, utcnow
-from jobs.object_keys import chunk_errors_key, chunk_output_key, file_key, validation_errors_key
+from jobs.object_keys import (
+    chunk_errors_key,
+    chunk_output_key,
+    expired_requests_key,
+    file_key,
+    validation_errors_key,
+)
 from jobs.settings import Settings
+from jobs.stop_flags import StopFlags, StopReason
 from jobs.storage import ObjectNotFound, ObjectStore
+from jobs.webhooks import record_batch_event
 
 if TYPE_CHECKING:  # the API imports the tasks, and through them this module, but runs no engine (nor torch)
     from engine.engine_loop import EngineLoop, RequestHandle
 
 LineNumber = int
 log = logging.getLogger(__name__)
+
+# How often a chunk waiting on the engine looks at its batch's stop flag: a cancel reaches the engine this fast.
+STOP_POLL_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -117,16 +131,19 @@ class Pipeline:
         store: ObjectStore,
         redis: Redis,
         engine: EngineHandle,
-        enqueue_run_chunk: Callable[[str, int], None],
+        enqueue_run_chunk: Callable[[str, int, int], None],
         enqueue_finalize: Callable[[str], None],
+        enqueue_webhook_deliveries: Callable[[list[str]], None],
     ) -> None:
         self.settings = settings
         self.sessions = sessions
         self.store = store
         self.redis = redis
+        self.stop_flags = StopFlags(redis, settings.redis_prefix)
         self.engine = engine
         self.enqueue_run_chunk = enqueue_run_chunk
         self.enqueue_finalize = enqueue_finalize
+        self.enqueue_webhook_deliveries = enqueue_webhook_deliveries
 
     # -----------------------------------------------------------------------------------------------------
     # validate
@@ -212,6 +229,8 @@ class Pipeline:
             batch = _lock_batch(session, batch_id)
             if batch is None or batch.status not in (BatchStatus.validating, BatchStatus.cancelling):
                 return
+            if batch.in_progress_at is not None:  # a re-delivered validate of a batch cancelled after it started
+                return
             batch.total_requests = tally.lines
             batch.failed_requests = tally.invalid
             cancelled = batch.status == BatchStatus.cancelling
@@ -233,19 +252,21 @@ class Pipeline:
                 batch.in_progress_at = utcnow()
                 if not drafts:
                     batch.finalizing_at = batch.in_progress_at
+            priority = batch.priority
         if cancelled or not drafts:
             self.enqueue_finalize(batch_id)
             return
         for index in range(len(drafts)):
-            self.enqueue_run_chunk(batch_id, index)
+            self.enqueue_run_chunk(batch_id, index, priority)
 
     def _enqueue_pending_chunks(self, batch_id: str) -> None:
         with self.sessions() as session:
+            priority = session.scalar(select(Batch.priority).where(Batch.id == batch_id)) or 0
             pending = session.scalars(
                 select(Chunk.index).where(Chunk.batch_id == batch_id, Chunk.status == ChunkStatus.pending)
             ).all()
         for index in pending:
-            self.enqueue_run_chunk(batch_id, index)
+            self.enqueue_run_chunk(batch_id, index, priority)
 
     def _fail(self, batch_id: str, code: str, message: str) -> None:
         with self.sessions.begin() as session:
@@ -255,6 +276,8 @@ class Pipeline:
             batch.status = BatchStatus.failed
             batch.failed_at = utcnow()
             batch.errors = [{"code": code, "message": message, "param": None, "line": None}]
+            deliveries = record_batch_event(session, batch)
+        self.enqueue_webhook_deliveries(deliveries)
 
     # -----------------------------------------------------------------------------------------------------
     # run_chunk
@@ -267,10 +290,10 @@ class Pipeline:
                 return
             session.expunge_all()
         if chunk.status == ChunkStatus.pending:
-            if batch.status == BatchStatus.cancelling:
-                self._finish_chunk(batch_id, index, ChunkStatus.skipped, 0, 0)
-            elif batch.status == BatchStatus.in_progress:
+            if batch.status == BatchStatus.in_progress:
                 self._complete_chunk(batch, chunk)
+            else:  # cancelling, or finalizing early because it expired: chunks not yet started never will
+                self._finish_chunk(batch_id, index, ChunkStatus.skipped, 0, 0)
         self._maybe_finalize(batch_id)
 
     def _complete_chunk(self, batch: Batch, chunk: Chunk) -> None:
@@ -286,9 +309,10 @@ class Pipeline:
             )
             return
         lease = self.redis.lock(
-            f"{self.settings.redis_prefix}chunk-lease:{batch.id}:{chunk.index}",
+            self._lease_key(batch.id, chunk.index),
             timeout=self.settings.chunk_lease_seconds,
             blocking=False,
+            thread_local=False,  # the renewer thread must see the token this thread acquired it with
         )
         if not lease.acquire():
             raise ChunkBusy(f"chunk {chunk.index} of {batch.id} is running elsewhere")
@@ -327,9 +351,11 @@ class Pipeline:
                 checked.prompt_token_ids,
                 checked.sampling_params,
                 request_id=f"{batch.id}/{chunk.index}/{line_number}/{run_id}",
+                priority=batch.priority,
             )
             submitted.append((checked, handle))
 
+        stopped = self._await_or_abort(batch.id, [handle for _, handle in submitted])
         output_lines: list[bytes] = []
         for request, handle in submitted:
             try:
@@ -337,7 +363,14 @@ class Pipeline:
             except ValueError as refused:  # the engine refused the request itself; only this line fails
                 record = error_record(LineError(request.custom_id, "invalid_parameter", str(refused)))
             else:
-                record = response_record(request, result, model=self.engine.model_name, tokenizer=self.engine.tokenizer)
+                if stopped is not None and any(sample.finish_reason == "abort" for sample in result.outputs):
+                    if stopped == StopReason.cancelled:
+                        continue  # as OpenAI's cancelled batches: only what finished is reported
+                    record = _expired_record(request.custom_id)
+                else:
+                    record = response_record(
+                        request, result, model=self.engine.model_name, tokenizer=self.engine.tokenizer
+                    )
             (output_lines if record.error is None else error_lines).append(record.model_dump_json().encode() + b"\n")
 
         completed, failed = len(output_lines), len(error_lines)
@@ -348,6 +381,21 @@ class Pipeline:
             metadata={"completed": str(completed), "failed": str(failed)},
         )
         return completed, failed
+
+    def _await_or_abort(self, batch_id: str, handles: list[RequestHandle]) -> StopReason | None:
+        """Wait for every request; if the batch is stopped meanwhile, abort the unfinished ones in the engine
+        and return why. The aborted requests' handles then hold outputs with finish_reason 'abort'."""
+        unfinished = {handle.future: handle for handle in handles}
+        while unfinished:
+            _, still_running = wait(unfinished, timeout=STOP_POLL_SECONDS)
+            unfinished = {future: unfinished[future] for future in still_running}
+            if unfinished and (reason := self.stop_flags.reason(batch_id)) is not None:
+                for handle in unfinished.values():
+                    self.engine.loop.abort(handle.request_id)
+                wait(unfinished)
+                log.info("batch %s %s: aborted %d requests in the engine", batch_id, reason.value, len(unfinished))
+                return reason
+        return None
 
     def _finish_chunk(self, batch_id: str, index: int, status: ChunkStatus, completed: int, failed: int) -> None:
         with self.sessions.begin() as session:
@@ -391,18 +439,38 @@ class Pipeline:
             batch = session.get(Batch, batch_id)
             if batch is None or batch.status not in (BatchStatus.finalizing, BatchStatus.cancelling):
                 return
-            if has_pending_chunks(
-                session, batch_id
-            ):  # a cancel arrived; the remaining chunks will skip, then call again
-                return
+            stop_reason = _stop_reason(batch)
+        if stop_reason is not None:
+            # Raised again here: the first flag (set by the cancel or the expiry sweep) may be lost with Redis.
+            self.stop_flags.raise_flag(batch_id, stop_reason)
+            self._skip_unstarted_chunks(batch_id)
+
+        with self.sessions() as session:
+            batch = session.get(Batch, batch_id)
+            if batch is None or has_pending_chunks(session, batch_id):
+                return  # chunks still running abort within a second; the last one to finish calls finalize again
             done = session.scalars(
                 select(Chunk.index)
                 .where(Chunk.batch_id == batch_id, Chunk.status == ChunkStatus.done)
                 .order_by(Chunk.index)
             ).all()
-            project_id = batch.project_id
+            never_started = (
+                session.scalars(
+                    select(Chunk)
+                    .where(Chunk.batch_id == batch_id, Chunk.status == ChunkStatus.skipped)
+                    .order_by(Chunk.index)
+                ).all()
+                if stop_reason == StopReason.expired
+                else []
+            )
+            session.expunge_all()
+            project_id, input_file_id = batch.project_id, batch.input_file_id
             completed, failed = batch.completed_requests, batch.failed_requests
 
+        expired_unstarted = sum(chunk.num_requests for chunk in never_started)
+        if expired_unstarted:
+            self._write_expired_requests(batch_id, file_key(project_id, input_file_id), never_started)
+        failed += expired_unstarted
         files: list[File] = []
         output_file_id = error_file_id = None
         if completed:
@@ -412,6 +480,7 @@ class Pipeline:
         if failed:
             error_file_id = derived_file_id(batch_id, "error")
             sources = [validation_errors_key(batch_id)] + [chunk_errors_key(batch_id, index) for index in done]
+            sources.append(expired_requests_key(batch_id))
             files.append(self._compose_file(project_id, error_file_id, f"{batch_id}_error.jsonl", sources))
 
         with self.sessions.begin() as session:
@@ -424,9 +493,50 @@ class Pipeline:
             now = utcnow()
             if batch.status == BatchStatus.cancelling:
                 batch.status, batch.cancelled_at = BatchStatus.cancelled, now
+            elif batch.expired_at is not None:  # the sweep set it when it stopped the batch
+                batch.status = BatchStatus.expired
+                batch.failed_requests += expired_unstarted
             else:
                 batch.status, batch.completed_at = BatchStatus.completed, now
             batch.output_file_id, batch.error_file_id = output_file_id, error_file_id
+            deliveries = record_batch_event(session, batch)
+        self.enqueue_webhook_deliveries(deliveries)
+
+    def _skip_unstarted_chunks(self, batch_id: str) -> None:
+        """Mark the stopping batch's queued chunks skipped now, rather than when their tasks come up (maybe behind
+        hours of other work). A chunk holding its lease is running: it aborts on the stop flag and finishes itself.
+        One whose task takes its lease just after this finds its results discarded, which is what skipped means."""
+        with self.sessions.begin() as session:
+            pending = session.scalars(
+                select(Chunk.index).where(Chunk.batch_id == batch_id, Chunk.status == ChunkStatus.pending)
+            ).all()
+            leases = self.redis.pipeline(transaction=False)
+            for index in pending:
+                leases.exists(self._lease_key(batch_id, index))
+            unstarted = [index for index, leased in zip(pending, leases.execute()) if not leased]
+            if unstarted:
+                session.execute(
+                    update(Chunk)
+                    .where(
+                        Chunk.batch_id == batch_id,
+                        Chunk.index.in_(unstarted),
+                        Chunk.status == ChunkStatus.pending,
+                    )
+                    .values(status=ChunkStatus.skipped, finished_at=utcnow())
+                )
+
+    def _write_expired_requests(self, batch_id: str, input_key: str, chunks: list[Chunk]) -> None:
+        """A `batch_expired` error line for each request of the chunks that never ran, as OpenAI reports them."""
+        with self.store.upload_stream(expired_requests_key(batch_id)) as records:
+            for chunk in chunks:
+                rejected = set(chunk.rejected_lines)  # validation already wrote their error lines
+                data = self.store.read_range(input_key, chunk.byte_start, chunk.byte_end)
+                for line_number, _, _, line in iter_lines([data], chunk.first_line, chunk.byte_start):
+                    if line_number not in rejected and line.strip():
+                        records.write(_expired_record(json.loads(line)["custom_id"]).model_dump_json().encode() + b"\n")
+
+    def _lease_key(self, batch_id: str, index: int) -> str:
+        return f"{self.settings.redis_prefix}chunk-lease:{batch_id}:{index}"
 
     def _compose_file(self, project_id: str, file_id: str, filename: str, sources: list[str]) -> File:
         existing = [key for key in sources if self.store.exists(key)]
@@ -448,6 +558,23 @@ def _keep_renewing(lease: Lock, stop: threading.Event, every_seconds: float) -> 
             lease.reacquire()
         except LockError:
             return
+        except RedisError as unreachable:  # Redis restarting: the lease may survive it, so keep trying
+            log.warning("cannot renew %s: %s", lease.name, unreachable)
+
+
+def _stop_reason(batch: Batch) -> StopReason | None:
+    """Why a batch on its way to finalize is stopping early, if it is."""
+    if batch.status == BatchStatus.cancelling:
+        return StopReason.cancelled
+    if batch.expired_at is not None:
+        return StopReason.expired
+    return None
+
+
+def _expired_record(custom_id: str | None) -> BatchOutputLine:
+    return error_record(
+        LineError(custom_id, "batch_expired", "the batch expired before this request was completed")
+    )
 
 
 def _lock_batch(session: Session, batch_id: str) -> Batch | None:

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.model_registry import DEFAULT_MODEL
 
 ENV_PREFIX = "CONVEYOR_"
+LOG_FORMATS = ("json", "text")
 ENGINE_ENV_PREFIX = "CONVEYOR_ENGINE_"  # + any EngineConfig field in upper case, e.g. CONVEYOR_ENGINE_MAX_NUM_SEQS
 
 
@@ -46,10 +47,21 @@ class Settings:
     task_visibility_timeout: float = 600.0  # seconds before Redis hands an unacknowledged task to another worker
     chunk_lease_seconds: float = 60.0  # a running chunk's claim; renewed while it runs, lapses when its worker dies
     beat_interval_seconds: float = 10.0  # how often beat runs the periodic sweeps (schedules, expiry, webhook retries)
+    # How long a new batch may run before it expires, whatever its completion_window says; None: the window's own
+    # length (24h). For tests and deployments that want a shorter deadline.
+    completion_window_seconds: float | None = None
+    # Comma-separated hostnames, IPs and CIDRs that may receive webhooks although they are not public addresses.
+    webhook_allowed_hosts: str = ""
+    webhook_retry_scale: float = 1.0  # multiplies the webhook retry delays (5 s ... 10 h); tests use a small fraction
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    worker_metrics_host: str = "127.0.0.1"  # where a worker serves /metrics and /healthz
+    worker_metrics_port: int = 9464  # 0: no metrics server (several workers on one host need one port each)
+    log_format: str = "json"  # "json": one JSON object per line, with batch_id / chunk_index while a task runs; "text"
 
     def __post_init__(self) -> None:
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"CONVEYOR_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if self.chunk_size < 1:
             raise ValueError(f"CONVEYOR_CHUNK_SIZE must be >= 1, got {self.chunk_size}")
         if self.max_upload_bytes < 1:

@@ -56,6 +56,12 @@ class ObjectInfo:
 
 
 @dataclass(frozen=True)
+class ListedObject:
+    key: str  # relative, like every key passed to the store
+    size: int
+
+
+@dataclass(frozen=True)
 class _Segment:
     """Bytes [start, end) of one source object."""
 
@@ -162,6 +168,18 @@ class ObjectStore:
                 return None
             raise
         return ObjectInfo(size=response["ContentLength"], metadata=dict(response.get("Metadata", {})))
+
+    def list_objects(self, prefix: str) -> list[ListedObject]:
+        """Every object whose relative key starts with `prefix`, in key order (S3's listing order)."""
+        objects: list[ListedObject] = []
+        for page in self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.settings.bucket, Prefix=self._full(prefix)
+        ):
+            objects += [
+                ListedObject(key=entry["Key"][len(self.settings.prefix) :], size=entry["Size"])
+                for entry in page.get("Contents", [])
+            ]
+        return objects
 
     def delete(self, key: str) -> None:
         """Remove the object; removing one that is not there is not an error (S3's own semantics)."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from celery import Task
 
-from jobs.celery_app import celery_app
+from jobs import schedules, webhooks
+from jobs.celery_app import celery_app, message_priority
+from jobs.models import utcnow
 from jobs.pipeline import ChunkBusy
 
 
@@ -33,13 +35,51 @@ def finalize(batch_id: str) -> None:
     _pipeline().finalize(batch_id)
 
 
+@celery_app.task(name="conveyor.expire_batches")
+def expire_batches() -> None:
+    # No retries: beat sends the next sweep in a few seconds anyway.
+    from jobs.expiry import expire_due_batches
+
+    pipeline = _pipeline()
+    expire_due_batches(pipeline.sessions, pipeline.stop_flags, enqueue_finalize)
+
+
 def enqueue_validate(batch_id: str) -> None:
     validate.delay(batch_id)
 
 
-def enqueue_run_chunk(batch_id: str, index: int) -> None:
-    run_chunk.delay(batch_id, index)
+@celery_app.task(name="conveyor.fire_due_schedules")
+def fire_due_schedules() -> None:
+    # No retry: beat sends the next sweep within seconds, and a schedule that failed stays due for it.
+    pipeline = _pipeline()
+    schedules.fire_due_schedules(
+        pipeline.sessions, pipeline.store, enqueue_validate, window_seconds=pipeline.settings.completion_window_seconds
+    )
+
+
+def enqueue_run_chunk(batch_id: str, index: int, batch_priority: int) -> None:
+    run_chunk.apply_async((batch_id, index), priority=message_priority(batch_priority))
 
 
 def enqueue_finalize(batch_id: str) -> None:
     finalize.delay(batch_id)
+
+
+# No retries for the webhook tasks: a failed attempt is recorded with its next time in the database, and an
+# attempt that never happened (a crash, Redis down) is still due there, where beat's sweep finds it.
+@celery_app.task(name="conveyor.deliver_webhook")
+def deliver_webhook(delivery_id: str) -> None:
+    pipeline = _pipeline()
+    policy = webhooks.DeliveryPolicy.from_settings(pipeline.settings)
+    webhooks.attempt_delivery(pipeline.sessions, policy, due_by=utcnow(), delivery_id=delivery_id)
+
+
+@celery_app.task(name="conveyor.send_due_webhooks")
+def send_due_webhooks() -> None:
+    pipeline = _pipeline()
+    webhooks.send_due_deliveries(pipeline.sessions, webhooks.DeliveryPolicy.from_settings(pipeline.settings))
+
+
+def enqueue_webhook_deliveries(delivery_ids: list[str]) -> None:
+    for delivery_id in delivery_ids:
+        deliver_webhook.delay(delivery_id)

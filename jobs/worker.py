@@ -17,6 +17,7 @@ from jobs.celery_app import CONTROL_QUEUE, GPU_QUEUE, celery_app
 from jobs.db import make_engine, make_session_factory
 from jobs.pipeline import EngineHandle, Pipeline
 from jobs.settings import Settings
+from jobs.worker_metrics import start_worker_telemetry
 from jobs.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ def build_pipeline(settings: Settings) -> Pipeline:
         ),
         enqueue_run_chunk=tasks.enqueue_run_chunk,
         enqueue_finalize=tasks.enqueue_finalize,
+        enqueue_webhook_deliveries=tasks.enqueue_webhook_deliveries,
     )
 
 
@@ -64,9 +66,12 @@ def get_pipeline() -> Pipeline:
 
 def run_worker(settings: Settings, queues: list[str] | None = None, loglevel: str = "INFO") -> None:
     concurrency = settings.effective_worker_concurrency + CONTROL_SLOTS
-    get_pipeline()  # before consuming: a model that cannot load fails the worker at start, not every task
+    pipeline = get_pipeline()  # before consuming: a model that cannot load fails the worker at start, not every task
+    start_worker_telemetry(settings, pipeline.engine.loop)
     celery_app.worker_main(
         [
+            # Celery's start-up banner is many lines of plain text, which would break a stream of JSON lines.
+            *(["--quiet"] if settings.log_format == "json" else []),
             "worker",
             "--pool=threads",
             f"--concurrency={concurrency}",

@@ -59,6 +59,7 @@ def service_settings(database_url: str, s3_settings: S3Settings) -> Iterator[Set
             chunk_lease_seconds=6,
             engine_options={"max_num_seqs": 64},
             api_port=free_port(),
+            worker_metrics_port=0,  # not the fixed default: test runs share this machine; tests that scrape pick a free one
         )
 
 

@@ -84,6 +84,7 @@ def upgrade() -> None:
     sa.UniqueConstraint('event_id', 'endpoint_id', name='uq_webhook_deliveries_event_endpoint')
     )
     op.create_index(op.f('ix_webhook_deliveries_endpoint_id'), 'webhook_deliveries', ['endpoint_id'], unique=False)
+    op.create_index('ix_webhook_deliveries_next_attempt_at', 'webhook_deliveries', ['next_attempt_at'], unique=False)
     op.create_table('webhook_attempts',
     sa.Column('id', sa.BigInteger(), autoincrement=True, nullable=False),
     sa.Column('delivery_id', sa.String(length=64), nullable=False),
@@ -105,6 +106,7 @@ def downgrade() -> None:
     op.drop_column('batches', 'webhook_endpoint_id')
     op.drop_column('batches', 'priority')
     op.drop_table('webhook_attempts')
+    op.drop_index('ix_webhook_deliveries_next_attempt_at', table_name='webhook_deliveries')
     op.drop_index(op.f('ix_webhook_deliveries_endpoint_id'), table_name='webhook_deliveries')
     op.drop_table('webhook_deliveries')
     op.drop_table('schedule_fires')

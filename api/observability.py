@@ -1,0 +1,61 @@
+"""Operations endpoints, outside /v1 and without API keys: `/healthz` (the process answers), `/readyz` (PostgreSQL,
+Redis and S3 reachable) and `/metrics` (the service's state in Prometheus format)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from redis import Redis
+
+from jobs.celery_app import CONTROL_QUEUE, GPU_QUEUE, celery_app
+from jobs.health import PROBE_TIMEOUT_SECONDS, ReadinessProbe
+from jobs.service_metrics import ServiceCollector
+from jobs.settings import Settings
+
+router = APIRouter(tags=["operations"])
+
+
+def install_observability(app: FastAPI, settings: Settings) -> None:
+    """Adds the routes; needs `app.state.read_sessions`."""
+    redis = Redis.from_url(
+        settings.redis_url, socket_connect_timeout=PROBE_TIMEOUT_SECONDS, socket_timeout=PROBE_TIMEOUT_SECONDS
+    )
+    registry = CollectorRegistry()
+    registry.register(
+        ServiceCollector(
+            app.state.read_sessions,
+            redis,
+            settings.redis_prefix,
+            [GPU_QUEUE, CONTROL_QUEUE],
+            celery_app.conf.broker_transport_options or {},
+        )
+    )
+    ProcessCollector(registry=registry)
+    app.state.metrics_registry = registry
+    app.state.readiness = ReadinessProbe(app.state.read_sessions, redis, settings.s3)
+    app.include_router(router)
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(request: Request) -> JSONResponse:
+    checks = request.app.state.readiness.check()
+    failed = [check.name for check in checks if not check.ok]
+    body = {
+        "status": "unavailable" if failed else "ready",
+        "failed": failed,
+        "checks": {check.name: {k: v for k, v in asdict(check).items() if k != "name"} for check in checks},
+    }
+    return JSONResponse(body, status_code=503 if failed else 200)
+
+
+@router.get("/metrics")
+def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,215 @@
+"""`conveyor up`: the whole service on one machine, in the foreground, from one command.
+
+Any backing service whose variable is not set (CONVEYOR_DATABASE_URL, CONVEYOR_REDIS_URL, CONVEYOR_S3_ENDPOINT_URL)
+runs embedded (`conveyor.embedded`, `conveyor.seaweedfs`) with its data under one data directory; then the
+migrations run, and the API, one worker and beat start with the settings that point at all of them. SIGINT
+(Ctrl-C) or SIGTERM stops everything in reverse order: beat, worker, API, then the servers. The processes all run
+in sessions of their own, so a Ctrl-C in the terminal reaches only this process, which then stops them in order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import FrameType
+
+from sqlalchemy import select
+
+from conveyor.embedded import S3_CREDENTIALS_FILE, EmbeddedPostgres, EmbeddedRedis, s3_credentials, stable_port
+from conveyor.local_stack import ManagedProcess, start_api, start_beat, start_worker
+from conveyor.seaweedfs import SeaweedFS
+from jobs import db
+from jobs.keys import CreatedKey, create_key
+from jobs.models import ApiKey
+from jobs.settings import Settings
+
+DATABASE_NAME = "conveyor"
+FIRST_PROJECT = "default"
+WORKER_START_TIMEOUT_S = 900.0  # the first start on a machine converts the model and builds the CPU kernels
+_SUPERVISE_INTERVAL_S = 1.0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "conveyor"
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    data_dir: Path
+    api_host: str | None = None  # None: CONVEYOR_API_HOST
+    api_port: int | None = None  # None: CONVEYOR_API_PORT
+
+
+class StopRequested(BaseException):
+    """SIGINT or SIGTERM arrived. A BaseException, like KeyboardInterrupt, so no `except Exception` swallows it."""
+
+
+@dataclass
+class _Component:
+    """Something `up` started and watches: when it is no longer running, the whole stack stops."""
+
+    name: str
+    running: Callable[[], bool]
+    log_path: Path
+
+
+def run_up(options: UpOptions, environ: Mapping[str, str] = os.environ) -> int:
+    data_dir = options.data_dir.expanduser().resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    settings = Settings.from_env(environ)
+    settings = replace(
+        settings, api_host=options.api_host or settings.api_host, api_port=options.api_port or settings.api_port
+    )
+    components: list[_Component] = []
+    with _signals_stop(), ExitStack() as started:
+        try:
+            settings = _start_backing_services(settings, data_dir, environ, started, components)
+            db.upgrade(settings.database_url)
+            _start_service_processes(settings, data_dir / "logs", started, components)
+            # Created once everything runs, so the banner that shows it is sure to be printed.
+            first_key = _create_first_key(settings.database_url)
+            _print_banner(settings, data_dir, environ, first_key)
+            _supervise(components)
+        except StopRequested:
+            _announce("stopping beat, worker, API, then the embedded servers")
+        except Exception as failure:
+            _announce(f"{failure}\nconveyor up: stopping everything")
+            return 1
+        finally:
+            _ignore_stop_signals()  # while the ExitStack stops what started (see _signals_stop)
+    return 0
+
+
+@contextmanager
+def _signals_stop() -> Iterator[None]:
+    """While inside, SIGINT and SIGTERM raise StopRequested once; while the stack stops, further ones are ignored,
+    so an impatient second Ctrl-C cannot interrupt a server's shutdown halfway."""
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        _ignore_stop_signals()
+        raise StopRequested
+
+    previous = {name: signal.signal(name, request_stop) for name in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for name, handler in previous.items():
+            signal.signal(name, handler)
+
+
+def _ignore_stop_signals() -> None:
+    for name in _STOP_SIGNALS:
+        signal.signal(name, signal.SIG_IGN)
+
+
+def _start_backing_services(
+    settings: Settings, data_dir: Path, environ: Mapping[str, str], started: ExitStack, components: list[_Component]
+) -> Settings:
+    if "CONVEYOR_DATABASE_URL" not in environ:
+        postgres = EmbeddedPostgres(data_dir / "postgres", stable_port(data_dir, "postgres"))
+        _announce(f"starting PostgreSQL on port {postgres.port}")
+        started.callback(postgres.stop)
+        postgres.start()
+        postgres.create_database(DATABASE_NAME)
+        components.append(_Component("PostgreSQL", lambda: postgres.running, postgres.log_path))
+        settings = replace(settings, database_url=postgres.database_url(DATABASE_NAME))
+    if "CONVEYOR_REDIS_URL" not in environ:
+        redis = EmbeddedRedis(data_dir / "redis", stable_port(data_dir, "redis"))
+        _announce(f"starting Redis on port {redis.port}")
+        redis.start()
+        started.callback(redis.stop)
+        components.append(_Component("Redis", lambda: redis.running, redis.data_dir / "redis.log"))
+        settings = replace(settings, redis_url=redis.url)
+    # Set but empty means AWS itself (Settings reads it as None): only an absent variable asks for the embedded one.
+    if "CONVEYOR_S3_ENDPOINT_URL" not in environ:
+        credentials = s3_credentials(data_dir)
+        seaweedfs = SeaweedFS(data_dir / "s3", access_key=credentials.access_key, secret_key=credentials.secret_key)
+        _announce("starting SeaweedFS (S3)")
+        started.enter_context(seaweedfs)
+        components.append(_Component("SeaweedFS", lambda: seaweedfs.running, seaweedfs.log_path))
+        # boto3 reads credentials from the environment; the API, worker and beat processes inherit it from here.
+        os.environ["AWS_ACCESS_KEY_ID"] = credentials.access_key
+        os.environ["AWS_SECRET_ACCESS_KEY"] = credentials.secret_key
+        os.environ.pop("AWS_SESSION_TOKEN", None)
+        settings = replace(settings, s3=replace(settings.s3, endpoint_url=seaweedfs.endpoint_url))
+    return settings
+
+
+def _start_service_processes(
+    settings: Settings, logs: Path, started: ExitStack, components: list[_Component]
+) -> None:
+    logs.mkdir(exist_ok=True)
+    starters: list[tuple[str, Callable[[], ManagedProcess]]] = [
+        ("API", lambda: start_api(settings, logs / "api.log")),
+        ("worker (loads the model)", lambda: start_worker(settings, logs / "worker.log", WORKER_START_TIMEOUT_S)),
+        ("beat", lambda: start_beat(settings, logs / "beat.log")),
+    ]
+    for name, start in starters:
+        _announce(f"starting the {name}")
+        process = start()
+        started.callback(process.stop)
+        components.append(_Component(process.name, _is_alive(process), process.log_path))
+
+
+def _is_alive(process: ManagedProcess) -> Callable[[], bool]:
+    return lambda: process.process.poll() is None
+
+
+def _create_first_key(database_url: str) -> CreatedKey | None:
+    """A key for the first project when the database has none yet (a first start); None otherwise.
+    Only its hash is stored: the banner shows the secret once."""
+    engine = db.make_engine(database_url, pool_size=1)
+    try:
+        with db.make_session_factory(engine).begin() as session:
+            if session.scalar(select(ApiKey.id).limit(1)) is not None:
+                return None
+            return create_key(session, FIRST_PROJECT)
+    finally:
+        engine.dispose()
+
+
+def _supervise(components: list[_Component]) -> None:
+    """Return never: wait for a signal (StopRequested), or raise when a component stopped on its own."""
+    while True:
+        for component in components:
+            if not component.running():
+                raise RuntimeError(f"{component.name} stopped unexpectedly; see {component.log_path}")
+        time.sleep(_SUPERVISE_INTERVAL_S)
+
+
+def _announce(message: str) -> None:
+    print(f"conveyor up: {message}", file=sys.stderr, flush=True)
+
+
+def _print_banner(settings: Settings, data_dir: Path, environ: Mapping[str, str], first_key: CreatedKey | None) -> None:
+    api = f"http://{settings.api_host}:{settings.api_port}"
+
+    def origin(variable: str, embedded_note: str = "") -> str:
+        return f"(from {variable})" if variable in environ else f"(embedded{embedded_note})"
+
+    s3_note = f"; credentials in {data_dir / S3_CREDENTIALS_FILE}"
+    lines = [
+        f"conveyor is up; data in {data_dir}",
+        f"  API         {api}/v1   (OpenAPI docs: {api}/docs)",
+        f"  PostgreSQL  {settings.database_url}   {origin('CONVEYOR_DATABASE_URL')}",
+        f"  Redis       {settings.redis_url}   {origin('CONVEYOR_REDIS_URL')}",
+        f"  S3          {settings.s3.endpoint_url or 'AWS'}, bucket {settings.s3.bucket}   "
+        f"{origin('CONVEYOR_S3_ENDPOINT_URL', s3_note)}",
+        f"  logs        {data_dir / 'logs'}",
+    ]
+    if first_key is not None:
+        lines.append(
+            f'API key of project "{first_key.project_name}" (shown only now; only its hash is stored): {first_key.secret}'
+        )
+    lines += [
+        f"More keys:  CONVEYOR_DATABASE_URL='{settings.database_url}' conveyor keys create --project NAME",
+        "Ctrl-C stops everything.",
+    ]
+    print("\n".join(lines), flush=True)
