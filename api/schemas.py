@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from jobs.models import Batch, File, Schedule, ScheduleFire, WebhookAttempt, WebhookEndpoint
 from jobs.schedules import ScheduleSpec, inbox_uri, run_id
 from jobs.settings import S3Settings
 from jobs.webhook_signing import secret_hint
-from jobs.webhooks import DeliveryHistory
+from jobs.webhooks import ENDPOINT_NAME_MAX_LENGTH, DeliveryHistory
 
 ItemT = TypeVar("ItemT")
 
@@ -227,40 +227,66 @@ class ScheduleRunObject(BaseModel):
         )
 
 
-class CreateWebhookEndpoint(BaseModel):
+class UpdateWebhookEndpoint(BaseModel):
+    """OpenAI's webhook endpoint fields; what is left out is kept."""
+
     model_config = ConfigDict(extra="forbid")
 
+    url: str | None = Field(default=None, description="http(s) URL that receives the events; must resolve publicly")
+    name: Annotated[str, Field(min_length=1, max_length=ENDPOINT_NAME_MAX_LENGTH)] | None = None
+    # `events` is the name /v1/webhooks was first specified with; OpenAI's SDK sends `event_types`.
+    event_types: list[str] | None = Field(
+        default=None,
+        validation_alias=AliasChoices("event_types", "events"),
+        description="batch.* event types to send (also accepted as `events`); an update replaces the whole set",
+    )
+
+
+class CreateWebhookEndpoint(UpdateWebhookEndpoint):
+    """Left out: `name` is the URL's host and path, `event_types` every batch.* type."""
+
     url: str = Field(description="http(s) URL that receives the events; must resolve to a public address")
-    events: list[str] | None = Field(default=None, description="event types to send; default: every batch.* type")
+
+
+class RotateWebhookSecret(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keep_old_secret_active_for_24_hours: bool = False
 
 
 class WebhookEndpointObject(BaseModel):
+    """OpenAI's WebhookEndpoint."""
+
     id: str
     object: Literal["webhook_endpoint"] = "webhook_endpoint"
     url: str
-    events: list[str]
-    secret_hint: str
+    name: str
+    event_types: list[str]
+    signing_secret_hint: str
     created_at: int
+    updated_at: int
 
     @classmethod
     def of(cls, row: WebhookEndpoint) -> "WebhookEndpointObject":
         return cls(
             id=row.id,
             url=row.url,
-            events=row.events,
-            secret_hint=secret_hint(row.secret),
+            name=row.name,
+            event_types=row.events,
+            signing_secret_hint=secret_hint(row.secret),
             created_at=int(row.created_at.timestamp()),
+            updated_at=int(row.updated_at.timestamp()),
         )
 
 
-class CreatedWebhookEndpoint(WebhookEndpointObject):
-    """The one answer that shows the signing secret."""
+class WebhookEndpointWithSecret(WebhookEndpointObject):
+    """OpenAI's WebhookEndpointWithSecret: the answers to create and rotate_secret, the only ones that show it."""
 
-    secret: str
+    signing_secret: str
 
     @classmethod
-    def of(cls, row: WebhookEndpoint) -> "CreatedWebhookEndpoint":
-        return cls(**WebhookEndpointObject.of(row).model_dump(), secret=row.secret)
+    def of(cls, row: WebhookEndpoint) -> "WebhookEndpointWithSecret":
+        return cls(**WebhookEndpointObject.of(row).model_dump(), signing_secret=row.secret)
 
 
 class DeletedWebhookEndpoint(BaseModel):

@@ -116,7 +116,7 @@ class EmbeddedPostgres:
         if self._pg_ctl_status() != _PG_CTL_NOT_RUNNING:
             # Left over from a `conveyor up` that was killed: it may listen on another port, so restart it on ours.
             self._run("pg_ctl", "-w", f"-t{_PG_CTL_TIMEOUT_S}", "-m", "fast", "stop")
-        # Only the log receives the server's output: a pipe it inherited would keep this call from returning.
+        # -l sends the server's output to its log: a server holding our stderr pipe would keep this call waiting.
         server_options = f"-c listen_addresses={HOST} -p {self.port} -c unix_socket_directories="
         self._run("pg_ctl", "-w", f"-t{_PG_CTL_TIMEOUT_S}", "-l", str(self.log_path), "-o", server_options, "start")
 

@@ -51,7 +51,7 @@ class StopRequested(BaseException):
     """SIGINT or SIGTERM arrived. A BaseException, like KeyboardInterrupt, so no `except Exception` swallows it."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Component:
     """Something `up` started and watches: when it is no longer running, the whole stack stops."""
 
@@ -60,7 +60,8 @@ class _Component:
     log_path: Path
 
 
-def run_up(options: UpOptions, environ: Mapping[str, str] = os.environ) -> int:
+def run_up(options: UpOptions) -> int:
+    environ = os.environ
     data_dir = options.data_dir.expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     settings = Settings.from_env(environ)

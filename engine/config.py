@@ -102,3 +102,57 @@ class EngineConfig:
             raise ValueError("swap_space and max_swap_blocks_per_step must be >= 0")
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Shape of a BERT-family encoder (absolute positions, post-LayerNorm). Built from a `config.json` dict."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int  # tokens per sequence the position table covers
+    type_vocab_size: int
+    layer_norm_eps: float
+    gelu_approximation: Literal["none", "tanh"]  # "none": erf GELU ("gelu"); "tanh": "gelu_new" and kin
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "EncoderConfig":
+        if hf.get("model_type") != "bert":
+            raise ValueError(f"unsupported encoder model_type {hf.get('model_type')!r}; supported: 'bert'")
+        if hf.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"unsupported position_embedding_type {hf['position_embedding_type']!r}")
+        gelu_approximations: dict[str, Literal["none", "tanh"]] = {
+            "gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
+        }
+        activation = hf.get("hidden_act", "gelu")
+        if activation not in gelu_approximations:
+            raise ValueError(f"unsupported hidden_act {activation!r}; supported: {sorted(gelu_approximations)}")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            max_position_embeddings=hf.get("max_position_embeddings", 512),
+            type_vocab_size=hf.get("type_vocab_size", 2),
+            layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+            gelu_approximation=gelu_approximations[activation],
+        )
+
+
+@dataclass(frozen=True)
+class EmbedderConfig:
+    """Embedding knobs. Units are in the field names or comments."""
+
+    max_batch_tokens: int = 8192  # tokens (summed over the packed sequences, no padding) per forward pass
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")

@@ -1,4 +1,4 @@
-"""Which floating-point type the engine computes in."""
+"""Which device and floating-point type the engine computes in."""
 
 from __future__ import annotations
 
@@ -23,3 +23,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in names:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
     return names[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None picks the GPU where there is one, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

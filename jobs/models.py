@@ -149,9 +149,12 @@ class WebhookEndpoint(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("wh_"))
     project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
     url: Mapped[str] = mapped_column(String(2048))
+    name: Mapped[str] = mapped_column(String(256))  # OpenAI's endpoints have one; ours default to host and path
     events: Mapped[list[str]] = mapped_column(JSONB)  # event types, e.g. ["batch.completed", "batch.failed"]
     secret: Mapped[str] = mapped_column(String(128))  # "whsec_" + base64; needed in clear to sign
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Last change of url, name, events or secret (OpenAI's updated_at); an update that changes nothing keeps it.
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class WebhookEvent(Base):

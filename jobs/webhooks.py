@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from urllib.parse import urlsplit
 
 from sqlalchemy import delete, select
 from sqlalchemy.dialects.postgresql import insert
@@ -54,6 +55,7 @@ RETRY_DELAYS_SECONDS = (5, 5 * 60, 30 * 60, 2 * 3600, 5 * 3600, 10 * 3600, 10 * 
 MAX_ATTEMPTS = len(RETRY_DELAYS_SECONDS) + 1
 RETRY_JITTER = 0.2  # each delay is stretched or shrunk by up to this share, so retries of many events spread out
 USER_AGENT = "conveyor-webhooks/1"
+ENDPOINT_NAME_MAX_LENGTH = 256  # WebhookEndpoint.name's column
 
 # One sweep at a time per worker process: a sweep that waits on slow endpoints must not let the next beat's
 # sweeps pile up and take every control slot.
@@ -102,26 +104,79 @@ class AttemptOutcome:
 
 
 def create_endpoint(
-    session: Session, project_id: str, *, url: str, events: list[str] | None, allow_list: AllowList
+    session: Session,
+    project_id: str,
+    *,
+    url: str,
+    events: list[str] | None,
+    allow_list: AllowList,
+    name: str | None = None,
 ) -> WebhookEndpoint:
-    """A new endpoint with a new signing secret. The URL is checked (DNS included) before the session is used,
-    so no connection is held while the name resolves."""
-    try:
-        resolve_target(url, allow_list)
-    except WebhookTargetRefused as refused:
-        raise ServiceError("invalid_request", str(refused), param="url") from None
+    """A new endpoint with a new signing secret, named after its URL unless `name` is given. The URL is checked
+    (DNS included) before the session is used, so no connection is held while the name resolves."""
+    _check_target(url, allow_list)
+    now = utcnow()
     endpoint = WebhookEndpoint(
-        project_id=project_id, url=url, events=_checked_events(events), secret=new_signing_secret(), created_at=utcnow()
+        project_id=project_id,
+        url=url,
+        name=name or default_endpoint_name(url),
+        events=_checked_events(events),
+        secret=new_signing_secret(),
+        created_at=now,
+        updated_at=now,
     )
     session.add(endpoint)
     session.flush()
     return endpoint
 
 
-def get_endpoint(session: Session, project_id: str, endpoint_id: str) -> WebhookEndpoint:
-    endpoint = session.scalar(
-        select(WebhookEndpoint).where(WebhookEndpoint.id == endpoint_id, WebhookEndpoint.project_id == project_id)
-    )
+def update_endpoint(
+    session: Session,
+    project_id: str,
+    endpoint_id: str,
+    *,
+    url: str | None,
+    name: str | None,
+    events: list[str] | None,
+    allow_list: AllowList,
+) -> WebhookEndpoint:
+    """Replaces what is given (None: kept). A new URL passes the same check as at registration, before the
+    session is used; `updated_at` moves only when something actually changed."""
+    if url is not None:
+        _check_target(url, allow_list)
+    endpoint = get_endpoint(session, project_id, endpoint_id, for_update=True)
+    wanted = {"url": url, "name": name, "events": None if events is None else _checked_events(events)}
+    changed = {
+        field: value for field, value in wanted.items() if value is not None and value != getattr(endpoint, field)
+    }
+    for field, value in changed.items():
+        setattr(endpoint, field, value)
+    if changed:
+        endpoint.updated_at = utcnow()
+    return endpoint
+
+
+def rotate_secret(session: Session, project_id: str, endpoint_id: str) -> WebhookEndpoint:
+    """A new signing secret, effective at once: deliveries still pending are signed with it from their next
+    attempt on."""
+    endpoint = get_endpoint(session, project_id, endpoint_id, for_update=True)
+    endpoint.secret, endpoint.updated_at = new_signing_secret(), utcnow()
+    return endpoint
+
+
+def default_endpoint_name(url: str) -> str:
+    """Host, port and path: tells endpoints apart in a listing without repeating any credentials or query
+    string the URL carries. Only for URLs `_check_target` accepted (their port parses)."""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port is not None else ""
+    return f"{parts.hostname}{port}{parts.path}"[:ENDPOINT_NAME_MAX_LENGTH]
+
+
+def get_endpoint(session: Session, project_id: str, endpoint_id: str, *, for_update: bool = False) -> WebhookEndpoint:
+    """`for_update` locks the row, so that of two concurrent rotations neither answers a secret the other
+    has already replaced."""
+    query = select(WebhookEndpoint).where(WebhookEndpoint.id == endpoint_id, WebhookEndpoint.project_id == project_id)
+    endpoint = session.scalar(query.with_for_update() if for_update else query)
     if endpoint is None:
         raise ServiceError("not_found", f"No such webhook endpoint: {endpoint_id}", param="webhook_id")
     return endpoint
@@ -168,13 +223,22 @@ def list_deliveries(
     )
 
 
+def _check_target(url: str, allow_list: AllowList) -> None:
+    try:
+        resolve_target(url, allow_list)
+    except WebhookTargetRefused as refused:
+        raise ServiceError("invalid_request", str(refused), param="url") from None
+
+
 def _checked_events(events: list[str] | None) -> list[str]:
     if events is None:
         return list(EVENT_TYPES)
     unknown = [event for event in events if event not in EVENT_TYPES]
     if unknown or not events:
         raise ServiceError(
-            "invalid_request", f"events must be a non-empty list of {list(EVENT_TYPES)}, got {events!r}", param="events"
+            "invalid_request",
+            f"event_types must be a non-empty list of {list(EVENT_TYPES)}, got {events!r}",
+            param="event_types",
         )
     return list(dict.fromkeys(events))
 

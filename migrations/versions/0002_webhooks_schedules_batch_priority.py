@@ -42,9 +42,11 @@ def upgrade() -> None:
     sa.Column('id', sa.String(length=64), nullable=False),
     sa.Column('project_id', sa.String(length=64), nullable=False),
     sa.Column('url', sa.String(length=2048), nullable=False),
+    sa.Column('name', sa.String(length=256), nullable=False),
     sa.Column('events', postgresql.JSONB(astext_type=sa.Text()), nullable=False),
     sa.Column('secret', sa.String(length=128), nullable=False),
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['project_id'], ['projects.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id')
     )

@@ -215,7 +215,11 @@ def test_refused_at_send_time_and_redirects_not_followed(sessions: SessionFactor
         with sessions.begin() as session:
             by_name = receiver.url.replace("127.0.0.1", "localhost")
             secret = new_signing_secret()
-            session.add(WebhookEndpoint(project_id=project_id, url=by_name, events=["batch.completed"], secret=secret))
+            session.add(
+                WebhookEndpoint(
+                    project_id=project_id, url=by_name, name="by name", events=["batch.completed"], secret=secret
+                )
+            )
         _, refused = finish_batch(sessions, project_id, BatchStatus.completed)
         for delivery_id in refused:
             attempt_delivery(sessions, strict, due_by=utcnow(), delivery_id=delivery_id)

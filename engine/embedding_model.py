@@ -1,0 +1,186 @@
+"""BERT-family encoder for embeddings, in plain torch, over packed (variable-length, unpadded) batches.
+
+A batch is the token stream of its sequences laid end to end ([T] ids with per-sequence positions);
+only attention needs the sequence boundaries. It runs once per run of consecutive equal-length
+sequences, as one dense SDPA call over [count, heads, length, head_dim]: no padding and no mask, so
+every token is computed exactly once. Sequences sorted by length, as the embedder sends them, make
+these runs long, so a batch costs few attention calls.
+
+Weights keep Hugging Face's module names but for the fused q/k/v projection; `load_weights` maps
+BertModel checkpoints (with or without a `bert.` prefix) onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import groupby
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import EncoderConfig
+from engine.loader import iter_safetensors
+
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "lasttoken")
+
+
+def equal_length_runs(seq_lens: Sequence[int]) -> list[tuple[int, int]]:
+    """(number of sequences, their length) for each run of consecutive sequences of one length."""
+    return [(len(list(run)), length) for length, run in groupby(seq_lens)]
+
+
+class EncoderEmbeddings(nn.Module):
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # Every input is a single text, so every token has token type 0.
+        summed = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        return self.LayerNorm(summed + self.token_type_embeddings.weight[0])
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then a GELU feed-forward, each followed by residual add and LayerNorm (post-LN)."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.gelu_approximation = config.gelu_approximation
+        self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.attention_output = nn.Linear(config.hidden_size, config.hidden_size)
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.intermediate = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.output = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.output_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+        attended = self.attention_output(self._attention(hidden, runs))
+        hidden = self.attention_norm(attended + hidden)
+        feed_forward = self.output(F.gelu(self.intermediate(hidden), approximate=self.gelu_approximation))
+        return self.output_norm(feed_forward + hidden)
+
+    def _attention(self, hidden: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+        num_tokens, hidden_size = hidden.shape
+        qkv = self.qkv_proj(hidden)
+        outputs: list[torch.Tensor] = []
+        start = 0
+        for count, length in runs:
+            stop = start + count * length
+            # [count * length, 3 * hidden] -> three [count, heads, length, head_dim] views, no copy.
+            q, k, v = qkv[start:stop].view(count, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            attended = F.scaled_dot_product_attention(q, k, v)
+            outputs.append(attended.transpose(1, 2).reshape(stop - start, hidden_size))
+            start = stop
+        assert start == num_tokens, "the runs must cover the batch's tokens exactly"
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+class EncoderModel(nn.Module):
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = EncoderEmbeddings(config)
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] the batch's sequences end to end
+        positions: torch.Tensor,  # [T] each token's position within its own sequence
+        seq_lens: Sequence[int],  # [B] host copy, in stream order, summing to T
+    ) -> torch.Tensor:  # [T, hidden] the last layer's token embeddings
+        runs = equal_length_runs(seq_lens)
+        hidden = self.embeddings(input_ids, positions)
+        for layer in self.layers:
+            hidden = layer(hidden, runs)
+        return hidden
+
+    # Hugging Face q/k/v projection -> which third of our fused qkv_proj it fills
+    _QKV_SHARDS = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
+    # Hugging Face layer submodule -> ours
+    _RENAMED = {
+        "attention.output.dense": "attention_output",
+        "attention.output.LayerNorm": "attention_norm",
+        "intermediate.dense": "intermediate",
+        "output.dense": "output",
+        "output.LayerNorm": "output_norm",
+    }
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face BertModel-named tensors into this model; every parameter must be covered.
+        The pooler, MLM/NSP heads and the position_ids buffer are not needed for token embeddings."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int | None]] = set()  # (parameter, qkv shard or None for a whole parameter)
+        for hf_name, tensor in named_tensors:
+            name = hf_name.removeprefix("bert.")
+            if name.startswith(("pooler.", "cls.")) or name == "embeddings.position_ids":
+                continue
+            target, shard = self._our_name(name)
+            if target not in params:
+                raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
+            destination = params[target] if shard is None else params[target].chunk(3)[shard]
+            if destination.shape != tensor.shape:
+                raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(destination.shape)}")
+            destination.copy_(tensor)
+            loaded.add((target, shard))
+        expected = {
+            (name, shard) for name in params for shard in ((0, 1, 2) if ".qkv_proj." in name else (None,))
+        }
+        missing = sorted(f"{name}[{shard}]" if shard is not None else name for name, shard in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _our_name(self, name: str) -> tuple[str, int | None]:
+        """Our parameter for a Hugging Face tensor name, and which qkv shard it fills (None: all of it)."""
+        if not name.startswith("encoder.layer."):
+            return name, None  # embeddings.*: the same names as Hugging Face's
+        index, _, rest = name.removeprefix("encoder.layer.").partition(".")
+        module_path, _, leaf = rest.rpartition(".")
+        if module_path in self._QKV_SHARDS:
+            return f"layers.{index}.qkv_proj.{leaf}", self._QKV_SHARDS[module_path]
+        return f"layers.{index}.{self._RENAMED.get(module_path, module_path)}.{leaf}", None
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's `*.safetensors` tensors, or else those of its `pytorch_model.bin` (older exports)."""
+    if any(folder.glob("*.safetensors")):
+        yield from iter_safetensors(folder)
+        return
+    bin_path = folder / "pytorch_model.bin"
+    if not bin_path.is_file():
+        raise FileNotFoundError(f"{folder} has neither *.safetensors nor pytorch_model.bin weights")
+    yield from torch.load(bin_path, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def pool(
+    token_embeddings: torch.Tensor,  # [T, hidden] float32, sequences end to end
+    seq_lens: torch.Tensor,  # [B] int64 on the same device
+    modes: Sequence[str],  # from POOLING_MODES; several are concatenated in the given order
+) -> torch.Tensor:  # [B, hidden * len(modes)]
+    """sentence-transformers' Pooling over a packed batch: every token of a sequence counts (none is padding)."""
+    num_seqs, hidden = seq_lens.shape[0], token_embeddings.shape[1]
+    ends = seq_lens.cumsum(0)
+    segment_ids = torch.repeat_interleave(torch.arange(num_seqs, device=seq_lens.device), seq_lens)
+    pooled: list[torch.Tensor] = []
+    for mode in modes:
+        if mode == "cls":
+            pooled.append(token_embeddings[ends - seq_lens])
+        elif mode == "lasttoken":
+            pooled.append(token_embeddings[ends - 1])
+        elif mode == "max":
+            maxima = token_embeddings.new_full((num_seqs, hidden), float("-inf"))
+            pooled.append(maxima.index_reduce_(0, segment_ids, token_embeddings, "amax"))
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            sums = token_embeddings.new_zeros((num_seqs, hidden)).index_add_(0, segment_ids, token_embeddings)
+            counts = seq_lens.unsqueeze(1).to(token_embeddings.dtype)
+            pooled.append(sums / (counts if mode == "mean" else counts.sqrt()))
+        else:
+            raise ValueError(f"unsupported pooling mode {mode!r}; supported: {POOLING_MODES}")
+    return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
