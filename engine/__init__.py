@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.embedder import Embedder
     from engine.engine_loop import EngineLoop, RequestHandle
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
 _MODULE_OF = {
+    "Embedder": "engine.embedder",
     "EngineLoop": "engine.engine_loop",
     "RequestHandle": "engine.engine_loop",
     "LLM": "engine.llm",
