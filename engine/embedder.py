@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import normalizers
 
 from engine.config import EmbedderConfig, EncoderConfig
-from engine.dtypes import resolve_device, resolve_dtype
+from engine.dtypes import cpu_has_fast_bf16, resolve_device, resolve_dtype
 from engine.embedding_model import POOLING_MODES, EncoderModel, iter_checkpoint, pool
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, resolve_embedding_model
 
@@ -68,8 +68,9 @@ class SentenceEmbeddingRecipe:
             else:
                 raise ValueError(f"unsupported sentence-transformers module {module['type']!r} in {modules_path}")
         # Without an explicit max_seq_length, sentence-transformers caps the tokenizer's limit at the positions'.
-        tokenizer_limit = _read_json(folder / "tokenizer_config.json").get("model_max_length", encoder.max_position_embeddings)
-        max_seq_length = transformer_config.get("max_seq_length") or min(tokenizer_limit, encoder.max_position_embeddings)
+        positions = encoder.max_position_embeddings
+        tokenizer_limit = _read_json(folder / "tokenizer_config.json").get("model_max_length", positions)
+        max_seq_length = transformer_config.get("max_seq_length") or min(tokenizer_limit, positions)
         return cls(
             max_seq_length=int(max_seq_length),
             do_lower_case=bool(transformer_config.get("do_lower_case", False)),
@@ -89,6 +90,8 @@ class Embeddings:
 
 
 class Embedder:
+    """An encoder model loaded once (weights, tokenizer, pooling recipe) on one device, embedding texts on call."""
+
     def __init__(
         self,
         model: str = DEFAULT_EMBEDDING_MODEL,
@@ -113,6 +116,8 @@ class Embedder:
         with torch.device(self.device):
             self.model = EncoderModel(encoder_config).to(self.dtype)
         self.model.load_weights(iter_checkpoint(folder))
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_has_fast_bf16():
+            self.model.pack_linears_for_cpu()  # oneDNN's blocked layout, and the FFN's GELU fused into its matmul
         self.model.eval()
 
     @property

