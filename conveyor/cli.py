@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.model_registry import DEFAULT_MODEL
+from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -40,6 +40,12 @@ def _add_run_command(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
     run.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"model name, .gguf file or model folder (default: {DEFAULT_MODEL})"
     )
+    run.add_argument(
+        "--embedding-model",
+        default=DEFAULT_EMBEDDING_MODEL,
+        help=f"what answers /v1/embeddings lines: {DEFAULT_EMBEDDING_MODEL} (default) or a sentence-transformers "
+        "folder",
+    )
     run.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     run.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     run.add_argument("--max-num-seqs", type=int, help="sequences in the running batch at once")
@@ -60,7 +66,13 @@ def _run(args: argparse.Namespace) -> int:
         return _fail("the output file must differ from the input file")
 
     from conveyor.run_file import run_batch_file
-    from engine import LLM
+    from engine import LLM, Embedder
+    from engine.model_registry import resolve_embedding_model
+
+    try:
+        resolve_embedding_model(args.embedding_model)  # only found here; loaded if the file has embedding lines
+    except ValueError as failure:
+        return _fail(str(failure))
 
     engine_options = {
         name: value
@@ -76,7 +88,13 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as failure:
         return _fail(f"cannot start the engine with model {args.model!r}: {failure}")
 
-    summary = run_batch_file(input_path, output_path, llm, progress=sys.stderr.isatty())
+    summary = run_batch_file(
+        input_path,
+        output_path,
+        llm,
+        progress=sys.stderr.isatty(),
+        make_embedder=lambda: Embedder(args.embedding_model, dtype=args.dtype, device=args.device),
+    )
 
     failures = ", ".join(f"{count} {code}" for code, count in sorted(summary.failures_by_code.items()))
     print(

@@ -6,33 +6,47 @@ An input line is `{"custom_id", "method": "POST", "url", "body"}`; an output lin
 exception, so one bad line cannot fail a whole file.
 
 Pure apart from a tokenizer (prompts must be counted against the context): the service's `validate`
-task and the offline `conveyor run` command share it without loading a model.
+task and the offline `conveyor run` command share it without loading a model. Embedding lines need no
+tokenizer to validate; `embedding_records` answers them with whatever `TextEmbedder` the caller holds.
 
 max_tokens policy (OpenAI's): a prompt must leave room for at least one generated token. An explicit
 `max_tokens` / `max_completion_tokens` that does not fit beside the prompt is rejected with
 `context_length_exceeded`, as OpenAI does, rather than silently shortened. Without one, chat completions
 may use the whole remaining context and completions default to 16 tokens, cut to the remaining context.
+
+Embeddings policy: a text longer than the embedding model's max_seq_length is truncated, as
+sentence-transformers (the model's own library) does, where OpenAI would refuse the request; usage counts
+the tokens after truncation. Empty strings and token-id inputs are refused per line (OpenAI refuses the
+former; OpenAI's token ids mean nothing to another model's vocabulary). `dimensions` is accepted only when
+it equals the model's dimension, which is known once the model is loaded, so that check happens when the
+line runs, not in validate.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Annotated, Any, Literal, Protocol, TypeVar, cast, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol, TypeVar, cast, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
 from engine.sampling_params import SamplingParams
 
-Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
+if TYPE_CHECKING:  # the API process imports this module; numpy stays out of it
+    import numpy as np
+
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
 CHAT_COMPLETIONS: Endpoint = "/v1/chat/completions"
 COMPLETIONS: Endpoint = "/v1/completions"
+EMBEDDINGS: Endpoint = "/v1/embeddings"
+EncodingFormat = Literal["float", "base64"]
 
 ErrorCode = Literal[
     "invalid_json_line",  # not JSON, or not a JSON object
@@ -50,6 +64,7 @@ ErrorCode = Literal[
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of texts in one embeddings request
 
 
 class PromptTokenizer(Protocol):
@@ -63,6 +78,28 @@ class PromptTokenizer(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+
+
+class EmbeddedTexts(Protocol):
+    """What `engine.Embedder.embed` returns (`Embeddings`)."""
+
+    @property
+    def vectors(self) -> np.ndarray: ...  # [N, dimension] float32, row i embeds text i
+
+    @property
+    def token_counts(self) -> Sequence[int]: ...  # tokens per text after truncation
+
+
+class TextEmbedder(Protocol):
+    """The part of `engine.Embedder` that answering embedding lines needs."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def dimension(self) -> int: ...
+
+    def embed(self, texts: Sequence[str]) -> EmbeddedTexts: ...
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -147,6 +184,32 @@ class ChatCompletionBody(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
+def _embedding_texts(value: object) -> object:
+    """OpenAI's `input`: one text or a list of them. Token-id inputs (a list of ints, or of int lists) are refused
+    with a message of their own, rather than pydantic's list of type errors."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(item, (int, list)) for item in value):
+        raise ValueError("token-id input is not supported; send the text (a string or a list of strings)")
+    return value
+
+
+class EmbeddingBody(_StrictBody):
+    input: Annotated[list[str], BeforeValidator(_embedding_texts), Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    model: str | None = None  # as for the other endpoints: the deployment's one embedding model answers
+    encoding_format: EncodingFormat | None = None  # None: "float"
+    dimensions: int | None = Field(default=None, ge=1)  # must equal the model's; checked when the line runs
+    user: str | None = None  # accepted for client compatibility; unused
+
+    @field_validator("input")
+    @classmethod
+    def _reject_empty_texts(cls, texts: list[str]) -> list[str]:
+        empty = [index for index, text in enumerate(texts) if not text]
+        if empty:
+            raise ValueError(f"input[{empty[0]}] is an empty string; every text to embed must be non-empty")
+        return texts
+
+
 class CompletionBody(_SamplingFields):
     prompt: Annotated[str | list[int], BeforeValidator(_single_prompt)]
     max_tokens: int | None = None
@@ -173,6 +236,16 @@ class BatchRequest:
     url: Endpoint
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """A valid /v1/embeddings line, ready for `embedding_records`."""
+
+    custom_id: str
+    texts: list[str]
+    encoding_format: EncodingFormat
+    dimensions: int | None
 
 
 @dataclass(frozen=True)
@@ -205,7 +278,7 @@ class BatchLineValidator:
         self._endpoint = endpoint
         self._seen_custom_ids: set[str] = set()
 
-    def validate(self, line: str | bytes) -> BatchRequest | LineError:
+    def validate(self, line: str | bytes) -> BatchRequest | EmbeddingRequest | LineError:
         custom_id: str | None = None
         try:
             fields = _parse_json_object(line)
@@ -231,11 +304,15 @@ class BatchLineValidator:
             )
         return url
 
-    def _build_request(self, custom_id: str, url: Endpoint, body: object) -> BatchRequest:
+    def _build_request(self, custom_id: str, url: Endpoint, body: object) -> BatchRequest | EmbeddingRequest:
         if body is None:
             raise _LineRejected("invalid_body", "missing 'body': the request to run")
         if not isinstance(body, dict):
             raise _LineRejected("invalid_body", f"'body' must be a JSON object, got {type(body).__name__}")
+        if url == EMBEDDINGS:
+            embedding = _parse_body(EmbeddingBody, body)
+            encoding_format = embedding.encoding_format or "float"
+            return EmbeddingRequest(custom_id, embedding.input, encoding_format, embedding.dimensions)
         if url == CHAT_COMPLETIONS:
             chat = _parse_body(ChatCompletionBody, body)
             prompt_token_ids = self._encode_chat(chat.messages)
@@ -331,7 +408,7 @@ def _read_custom_id(fields: Mapping[str, Any]) -> str:
     return custom_id
 
 
-BodyT = TypeVar("BodyT", ChatCompletionBody, CompletionBody)
+BodyT = TypeVar("BodyT", ChatCompletionBody, CompletionBody, EmbeddingBody)
 
 
 _OUT_OF_RANGE_ERRORS = {"greater_than_equal", "less_than_equal", "too_short", "too_long"}
@@ -437,10 +514,28 @@ class TextCompletion(BaseModel):
     usage: Usage
 
 
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of the little-endian float32 bytes (encoding_format="base64")
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 class BatchResponse(BaseModel):
     status_code: int
     request_id: str
-    body: ChatCompletion | TextCompletion
+    body: ChatCompletion | TextCompletion | EmbeddingList
 
 
 class BatchError(BaseModel):
@@ -538,9 +633,51 @@ def response_record(
                 for sample in samples
             ],
         )
+    return _success_record(request.custom_id, body)
+
+
+def embedding_records(requests: Sequence[EmbeddingRequest], embedder: TextEmbedder) -> list[BatchOutputLine]:
+    """One output line per request, in order. Every runnable request's texts go to the embedder in one call, so its
+    packing by token budget spans lines; a request asking for other `dimensions` than the model's gets an error."""
+    dimension = embedder.dimension
+    runnable = [request for request in requests if request.dimensions in (None, dimension)]
+    embedded = embedder.embed([text for request in runnable for text in request.texts]) if runnable else None
+    records: list[BatchOutputLine] = []
+    first_row = 0
+    for request in requests:
+        if request.dimensions not in (None, dimension):
+            message = (
+                f"dimensions={request.dimensions} is not supported: {embedder.model_name} makes "
+                f"{dimension}-dimensional vectors and cannot shorten them; leave dimensions out or set {dimension}"
+            )
+            records.append(error_record(LineError(request.custom_id, "invalid_parameter", message)))
+            continue
+        assert embedded is not None  # this request is runnable, so the embedder ran
+        rows = range(first_row, first_row + len(request.texts))
+        first_row = rows.stop
+        tokens = sum(embedded.token_counts[row] for row in rows)
+        body = EmbeddingList(
+            data=[
+                EmbeddingData(index=index, embedding=_encode_vector(embedded.vectors[row], request.encoding_format))
+                for index, row in enumerate(rows)
+            ],
+            model=embedder.model_name,
+            usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
+        )
+        records.append(_success_record(request.custom_id, body))
+    return records
+
+
+def _encode_vector(vector: np.ndarray, encoding_format: EncodingFormat) -> list[float] | str:
+    if encoding_format == "base64":  # what OpenAI sends: the float32 values' little-endian bytes
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+def _success_record(custom_id: str, body: ChatCompletion | TextCompletion | EmbeddingList) -> BatchOutputLine:
     return BatchOutputLine(
         id=_random_id("batch_req_"),
-        custom_id=request.custom_id,
+        custom_id=custom_id,
         response=BatchResponse(status_code=200, request_id=_random_id("req_"), body=body),
         error=None,
     )

@@ -36,8 +36,11 @@ from jobs.batch_format import (
     BatchLineValidator,
     BatchOutputLine,
     BatchRequest,
+    EmbeddingRequest,
     LineError,
     PromptTokenizer,
+    TextEmbedder,
+    embedding_records,
     error_record,
     response_record,
 )
@@ -131,6 +134,7 @@ class Pipeline:
         store: ObjectStore,
         redis: Redis,
         engine: EngineHandle,
+        embedder: TextEmbedder,
         enqueue_run_chunk: Callable[[str, int, int], None],
         enqueue_finalize: Callable[[str], None],
         enqueue_webhook_deliveries: Callable[[list[str]], None],
@@ -141,6 +145,7 @@ class Pipeline:
         self.redis = redis
         self.stop_flags = StopFlags(redis, settings.redis_prefix)
         self.engine = engine
+        self.embedder = embedder
         self.enqueue_run_chunk = enqueue_run_chunk
         self.enqueue_finalize = enqueue_finalize
         self.enqueue_webhook_deliveries = enqueue_webhook_deliveries
@@ -339,40 +344,32 @@ class Pipeline:
         rejected = set(chunk.rejected_lines)
         run_id = secrets.token_hex(4)  # keeps engine request ids unique should a lapsed lease let this chunk run twice
         submitted: list[tuple[BatchRequest, RequestHandle]] = []
-        error_lines: list[bytes] = []
+        embedding_requests: list[EmbeddingRequest] = []
+        records: list[BatchOutputLine] = []
         for line_number, _, _, line in iter_lines([data], chunk.first_line, chunk.byte_start):
             if line_number in rejected or not line.strip():
                 continue
             checked = validator.validate(line)
             if isinstance(checked, LineError):  # validate accepted this line; only a changed model could refuse it now
-                error_lines.append(error_record(checked).model_dump_json().encode() + b"\n")
-                continue
-            handle = self.engine.loop.submit(
-                checked.prompt_token_ids,
-                checked.sampling_params,
-                request_id=f"{batch.id}/{chunk.index}/{line_number}/{run_id}",
-                priority=batch.priority,
-            )
-            submitted.append((checked, handle))
-
-        stopped = self._await_or_abort(batch.id, [handle for _, handle in submitted])
-        output_lines: list[bytes] = []
-        for request, handle in submitted:
-            try:
-                result = handle.result()
-            except ValueError as refused:  # the engine refused the request itself; only this line fails
-                record = error_record(LineError(request.custom_id, "invalid_parameter", str(refused)))
+                records.append(error_record(checked))
+            elif isinstance(checked, EmbeddingRequest):
+                embedding_requests.append(checked)
             else:
-                if stopped is not None and any(sample.finish_reason == "abort" for sample in result.outputs):
-                    if stopped == StopReason.cancelled:
-                        continue  # as OpenAI's cancelled batches: only what finished is reported
-                    record = _expired_record(request.custom_id)
-                else:
-                    record = response_record(
-                        request, result, model=self.engine.model_name, tokenizer=self.engine.tokenizer
-                    )
-            (output_lines if record.error is None else error_lines).append(record.model_dump_json().encode() + b"\n")
+                handle = self.engine.loop.submit(
+                    checked.prompt_token_ids,
+                    checked.sampling_params,
+                    request_id=f"{batch.id}/{chunk.index}/{line_number}/{run_id}",
+                    priority=batch.priority,
+                )
+                submitted.append((checked, handle))
 
+        if embedding_requests:
+            # One call for the whole chunk, so the embedder packs across lines. It cannot be aborted midway: a stopped
+            # batch's embeddings chunk that has started runs to its end and its results are reported.
+            records += embedding_records(embedding_requests, self.embedder)
+        records += self._generation_records(batch.id, submitted)
+        output_lines = [record.model_dump_json().encode() + b"\n" for record in records if record.error is None]
+        error_lines = [record.model_dump_json().encode() + b"\n" for record in records if record.error is not None]
         completed, failed = len(output_lines), len(error_lines)
         self.store.put_bytes(chunk_errors_key(batch.id, chunk.index), b"".join(error_lines))
         self.store.put_bytes(
@@ -381,6 +378,27 @@ class Pipeline:
             metadata={"completed": str(completed), "failed": str(failed)},
         )
         return completed, failed
+
+    def _generation_records(
+        self, batch_id: str, submitted: list[tuple[BatchRequest, RequestHandle]]
+    ) -> list[BatchOutputLine]:
+        """The records of the requests submitted to the engine, once all have finished or the batch was stopped."""
+        stopped = self._await_or_abort(batch_id, [handle for _, handle in submitted])
+        records: list[BatchOutputLine] = []
+        for request, handle in submitted:
+            try:
+                result = handle.result()
+            except ValueError as refused:  # the engine refused the request itself; only this line fails
+                records.append(error_record(LineError(request.custom_id, "invalid_parameter", str(refused))))
+                continue
+            if stopped is not None and any(sample.finish_reason == "abort" for sample in result.outputs):
+                if stopped == StopReason.expired:  # when cancelled, as OpenAI: only what finished is reported
+                    records.append(_expired_record(request.custom_id))
+                continue
+            records.append(
+                response_record(request, result, model=self.engine.model_name, tokenizer=self.engine.tokenizer)
+            )
+        return records
 
     def _await_or_abort(self, batch_id: str, handles: list[RequestHandle]) -> StopReason | None:
         """Wait for every request; if the batch is stopped meanwhile, abort the unfinished ones in the engine

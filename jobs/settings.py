@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.model_registry import DEFAULT_MODEL
+from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 
 ENV_PREFIX = "CONVEYOR_"
 LOG_FORMATS = ("json", "text")
@@ -38,6 +38,9 @@ class Settings:
     redis_prefix: str = "conveyor:"  # prefix of every Redis key the service writes (Celery queues included)
     s3: S3Settings = field(default_factory=S3Settings)
     model: str = DEFAULT_MODEL  # model name, .gguf file or Hugging Face folder, as `conveyor run --model`
+    # What answers /v1/embeddings batches: the bundled model's name or a sentence-transformers folder; loaded by a
+    # worker on its first embeddings chunk, with the same dtype and device as the model.
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL
     dtype: str = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     engine_options: Mapping[str, Any] = field(default_factory=dict)  # EngineConfig fields overriding defaults

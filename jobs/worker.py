@@ -11,10 +11,13 @@ import threading
 
 from redis import Redis
 
+from engine.embedder import Embedder
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
+from engine.model_registry import resolve_embedding_model
 from jobs.celery_app import CONTROL_QUEUE, GPU_QUEUE, celery_app
 from jobs.db import make_engine, make_session_factory
+from jobs.lazy_embedder import LazyEmbedder
 from jobs.pipeline import EngineHandle, Pipeline
 from jobs.settings import Settings
 from jobs.worker_metrics import start_worker_telemetry
@@ -32,6 +35,8 @@ _pipeline_lock = threading.Lock()
 def build_pipeline(settings: Settings) -> Pipeline:
     from jobs import tasks
 
+    # Only found, not loaded (see LazyEmbedder): a misnamed embedding model fails the worker now, not a batch later.
+    resolve_embedding_model(settings.embedding_model)
     log.info("loading model %s", settings.model)
     loop = EngineLoop.build(
         lambda: LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options)
@@ -49,6 +54,10 @@ def build_pipeline(settings: Settings) -> Pipeline:
         redis=Redis.from_url(settings.redis_url),
         engine=EngineHandle(
             loop=loop, tokenizer=engine.tokenizer, max_model_len=engine.max_model_len, model_name=engine.model_name
+        ),
+        embedder=LazyEmbedder(
+            settings.embedding_model,
+            lambda: Embedder(settings.embedding_model, dtype=settings.dtype, device=settings.device),
         ),
         enqueue_run_chunk=tasks.enqueue_run_chunk,
         enqueue_finalize=tasks.enqueue_finalize,

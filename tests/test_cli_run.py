@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from conveyor.cli import main
+from engine import Embedder
 
 
 def request_line(custom_id: str, url: str, body: dict[str, Any]) -> str:
@@ -50,7 +53,7 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
                                                     "temperature": 0, "logprobs": 2}),
         request_line("bad-temperature", chat, {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}),
         "",  # blank lines carry no request and get no output line
-        request_line("bad-url", "/v1/embeddings", {"input": "Hi"}),
+        request_line("bad-url", "/v1/moderations", {"input": "Hi"}),
         request_line("chat-logprobs", chat, {"messages": [{"role": "user", "content": "Count to three."}],
                                              "max_completion_tokens": 5, "temperature": 0, "logprobs": True,
                                              "top_logprobs": 2}),
@@ -108,3 +111,61 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
     summary = capsys.readouterr().err.strip().splitlines()[-1]
     assert "8 requests, 4 succeeded, 4 failed" in summary
     assert "1 invalid_json_line" in summary and str(results) in summary
+
+
+@pytest.mark.slow
+def test_run_answers_embedding_lines_with_the_embedding_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    embeddings = "/v1/embeddings"
+    lines = [
+        request_line("one", embeddings, {"input": "The cat sat on the mat.", "model": "text-embedding-3-small"}),
+        request_line("two", embeddings, {"input": ["first passage", "second passage"], "encoding_format": "base64"}),
+        request_line("token-ids", embeddings, {"input": [101, 2023, 102]}),
+        request_line("text", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4}),  # files may mix urls
+        request_line("other-dimensions", embeddings, {"input": "x", "dimensions": 64}),
+        request_line("empty", embeddings, {"input": []}),
+    ]
+    source, results = tmp_path / "embeddings.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+
+    exit_code = main(["run", "-i", str(source), "-o", str(results), "--dtype", "float32", "--device", "cpu"])
+
+    assert exit_code == 0
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [record["custom_id"] for record in records] == [
+        "one", "two", "token-ids", "text", "other-dimensions", "empty",
+    ]
+    by_id = {record["custom_id"]: record for record in records}
+    texts = ["The cat sat on the mat.", "first passage", "second passage"]
+    expected = Embedder(dtype="float32", device="cpu").embed(texts)
+    one = by_id["one"]["response"]["body"]
+    assert (one["object"], one["model"]) == ("list", "all-minilm-l6-v2")
+    two = by_id["two"]["response"]["body"]
+    vectors = np.array(
+        [one["data"][0]["embedding"]]
+        + [np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4") for item in two["data"]],
+        dtype=np.float32,
+    )
+    cosine = np.sum(vectors * expected.vectors, axis=1) / np.linalg.norm(vectors, axis=1)  # expected rows: unit length
+    assert cosine.min() >= 0.9999
+    assert one["usage"]["total_tokens"] == expected.token_counts[0]
+    assert two["usage"]["prompt_tokens"] == sum(expected.token_counts[1:])
+    assert by_id["text"]["response"]["body"]["object"] == "text_completion"
+    errors = {record["custom_id"]: record["error"]["code"] for record in records if record["error"] is not None}
+    assert errors == {
+        "token-ids": "invalid_body", "other-dimensions": "invalid_parameter", "empty": "invalid_parameter",
+    }
+    assert "6 requests, 3 succeeded, 3 failed" in capsys.readouterr().err
+
+
+def test_an_unknown_embedding_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(request_line("a", "/v1/embeddings", {"input": "hi"}) + "\n")
+    exit_code = main(
+        ["run", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--embedding-model", str(tmp_path / "absent")]
+    )
+    assert exit_code == 1
+    stderr = capsys.readouterr().err
+    assert "cannot load embedding model" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "out.jsonl").exists()

@@ -143,7 +143,7 @@ def test_create_refuses_bad_templates_with_clear_errors(new_project: Callable[[s
         ({"cron": "61 2 * * *"}, 400, "cron", "invalid cron expression"),
         ({"cron": "0 0 31 2 *"}, 400, "cron", "never fires"),
         ({"timezone": "Mars/Olympus_Mons"}, 400, "timezone", "IANA time zone"),
-        ({"endpoint": "/v1/embeddings"}, 400, "endpoint", "endpoint must be one of"),
+        ({"endpoint": "/v1/moderations"}, 400, "endpoint", "endpoint must be one of"),
         ({"completion_window": "1h"}, 400, "completion_window", "completion_window must be one of"),
         ({"input_prefix": "nightly/"}, 400, "input_file_id", "exactly one of input_file_id and input_prefix"),
         ({"input_file_id": None}, 400, "input_file_id", "exactly one of input_file_id and input_prefix"),

@@ -105,7 +105,7 @@ def test_lines_without_a_readable_custom_id_are_rejected(line: str | bytes, code
     [
         (raw_line(custom_id="a", method="GET", url=COMPLETIONS, body={}), "invalid_method", "method must be 'POST'"),
         (raw_line(custom_id="a", url=COMPLETIONS, body={}), "invalid_method", "got None"),
-        (raw_line(custom_id="a", method="POST", url="/v1/embeddings", body={}), "invalid_url", "'/v1/embeddings'"),
+        (raw_line(custom_id="a", method="POST", url="/v1/moderations", body={}), "invalid_url", "'/v1/moderations'"),
         (raw_line(custom_id="a", method="POST", url=COMPLETIONS), "invalid_body", "missing 'body'"),
         (raw_line(custom_id="a", method="POST", url=COMPLETIONS, body=[1]), "invalid_body", "JSON object, got list"),
         # chat bodies
