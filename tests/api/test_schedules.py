@@ -207,8 +207,10 @@ def test_another_projects_schedules_answer_404(new_project: Callable[[str], Proj
     with database.begin() as connection:
         endpoint_id = connection.scalar(
             WebhookEndpoint.__table__.insert()
-            .values(id="wh_" + owner.id, project_id=owner.id, url="http://127.0.0.1:9/", events=[], secret="whsec_x",
-                    created_at=datetime.now(timezone.utc))
+            .values(
+                id="wh_" + owner.id, project_id=owner.id, url="http://127.0.0.1:9/", name="elsewhere", events=[],
+                secret="whsec_x", created_at=datetime.now(timezone.utc),
+            )
             .returning(WebhookEndpoint.id)
         )
     file_id = owner.upload(request_line("a") + b"\n")
