@@ -42,7 +42,9 @@ class S3Uri:
             raise DocumentError(f"uri must be an s3:// URI, got {uri!r}")
         bucket, slash, key = uri.removeprefix("s3://").partition("/")
         if not _BUCKET_NAME.fullmatch(bucket):
-            raise DocumentError(f"uri {uri!r}: {bucket!r} is not a bucket name (3 to 63 letters, digits, '.', '-', '_')")
+            raise DocumentError(
+                f"uri {uri!r}: {bucket!r} is not a bucket name (3 to 63 letters, digits, '.', '-', '_')"
+            )
         if not slash or not key:
             raise DocumentError(f"uri {uri!r} names a bucket but no object; expected s3://{bucket}/<key>")
         if key.endswith("/"):
@@ -112,7 +114,9 @@ def extract_text(filename: str, data: bytes) -> str:
     extractor = _EXTRACTORS.get(extension)
     if extractor is None:
         supported = ", ".join(sorted(_EXTRACTORS))
-        raise DocumentError(f"{filename}: unsupported file type {extension or '(no extension)'!r}; supported: {supported}")
+        raise DocumentError(
+            f"{filename}: unsupported file type {extension or '(no extension)'!r}; supported: {supported}"
+        )
     return extractor(filename, data)
 
 
@@ -160,12 +164,13 @@ def _pdf_text(filename: str, data: bytes) -> str:
     return "\n\n".join(page_texts)  # a blank line between pages: a paragraph boundary for the splitter
 
 
+_JSON_TYPE_NAMES = {
+    bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"
+}
+
+
 def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}[
-        type(value)
-    ]
+    return "null" if value is None else _JSON_TYPE_NAMES[type(value)]
 
 
 _EXTRACTORS: dict[str, Callable[[str, bytes], str]] = {

@@ -7,9 +7,10 @@
 A chunk ends where the most natural boundary within its token budget is: before a Markdown heading (so the
 next chunk starts at it), else at a paragraph (a blank line), else at a sentence (".", "!" or "?" and
 whitespace, not after an abbreviation such as "e.g." or before a lowercase word; "。！？" need no
-whitespace), else between words; the furthest boundary of the best kind wins. Only a single word longer than
-the budget is cut inside, at a token boundary. Chunks are trimmed of whitespace at both edges by moving
-their offsets; the text itself is never rewritten.
+whitespace), else between words; the furthest boundary of the best kind wins. A heading stays with the text
+under it (the break after a heading line counts as a word boundary only), and "#" lines in code blocks are
+not headings. Only a single word longer than the budget is cut inside, at a token boundary. Chunks are
+trimmed of whitespace at both edges by moving their offsets; the text itself is never rewritten.
 
 Overlap: unless a chunk ended before a heading, the next one starts at a boundary among its last
 `overlap_tokens` tokens: at a heading there if there is one, else at the earliest sentence, else the earliest
@@ -21,6 +22,7 @@ pass each, so splitting is linear in the document's length.
 
 from __future__ import annotations
 
+import copy
 import re
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
@@ -37,7 +39,8 @@ _PARAGRAPH_START = re.compile(r"\n[^\S\n]*\n\s*(?=\S)")
 # The first character after a sentence's end: closing quotes and brackets stay with the sentence they end.
 _SENTENCE_START = re.compile(r"[.!?]+[\"'”’)\]]*\s+(?=\S)|[。！？]+[\"'”’)\]」』]*\s*(?=\S)")
 _NON_SPACE = re.compile(r"\S")
-# Where the tokenizing pieces may be cut: the pre-tokenizer never joins characters across these.
+# Where the tokenizing pieces may be cut: embedding models' pre-tokenizers (WordPiece's, Metaspace, byte-level
+# BPE) start a new word at each of these, so no token spans one.
 _PIECE_SEPARATOR = re.compile(r"[ \t\n]")
 _PIECE_CHARS = 32_768
 
@@ -97,9 +100,17 @@ class TextSplitter:
         self.config = config or SplitterConfig()
 
     @classmethod
-    def for_embedding_model(cls, model: str = DEFAULT_EMBEDDING_MODEL, config: SplitterConfig | None = None) -> TextSplitter:
-        """Counting the tokens of the model the chunks will be embedded with (its tokenizer only, no weights)."""
+    def for_embedding_model(
+        cls, model: str = DEFAULT_EMBEDDING_MODEL, config: SplitterConfig | None = None
+    ) -> TextSplitter:
+        """A splitter counting the tokens of the model the chunks will be embedded with (its tokenizer only)."""
         return cls(Tokenizer.from_file(str(resolve_embedding_model(model) / "tokenizer.json")), config)
+
+    def with_config(self, config: SplitterConfig) -> TextSplitter:
+        """This splitter with another budget (a job may choose its own), sharing the tokenizer copy."""
+        splitter = copy.copy(self)
+        splitter.config = config
+        return splitter
 
     def count_tokens(self, text: str) -> int:
         """Tokens of `text` on its own, special tokens not counted."""
@@ -118,6 +129,7 @@ class _Tokens:
     """A document's tokens as character positions."""
 
     starts: list[int]  # where each token begins, ascending
+    ends: list[int]  # where each token ends
     words: list[int]  # the pre-tokenizer word each token belongs to, numbered across the document
 
     def index_at(self, position: int) -> int:
@@ -128,12 +140,15 @@ class _Tokens:
         """Tokens within [char_start, char_end); neither end may fall inside a token."""
         return self.index_at(char_end) - self.index_at(char_start)
 
-    def inside_word(self, position: int) -> bool:
-        """Whether `position` is a token start that continues the previous token's word (a cut like "intern|ational")."""
-        index = self.index_at(position)
-        return (
-            0 < index < len(self.starts) and self.starts[index] == position and self.words[index] == self.words[index - 1]
-        )
+    def cuts_word(self, position: int) -> bool:
+        """Whether a cut at `position` splits a word: between two tokens of one pre-tokenizer word (a cut like
+        "intern|ational"), or inside a token."""
+        index = bisect_right(self.starts, position) - 1  # the last token beginning at or before `position`
+        if index < 0:
+            return False
+        if self.starts[index] < position:
+            return position < self.ends[index]
+        return index > 0 and self.words[index] == self.words[index - 1]
 
 
 def _tokenize(tokenizer: Tokenizer, text: str) -> _Tokens:
@@ -147,12 +162,14 @@ def _tokenize(tokenizer: Tokenizer, text: str) -> _Tokens:
         piece_starts.append(separator.start())
     pieces = [text[start:end] for start, end in zip(piece_starts, piece_starts[1:] + [len(text)])]
     starts: list[int] = []
+    ends: list[int] = []
     words: list[int] = []
     for piece_start, encoding in zip(piece_starts, tokenizer.encode_batch(pieces, add_special_tokens=False)):
         first_word = len(starts)  # word ids restart in every piece; a piece has fewer words than this
         starts.extend(piece_start + start for start, _ in encoding.offsets)
+        ends.extend(piece_start + end for _, end in encoding.offsets)
         words.extend(first_word + word for word in encoding.word_ids)
-    return _Tokens(starts=starts, words=words)
+    return _Tokens(starts=starts, ends=ends, words=words)
 
 
 @dataclass(frozen=True)
@@ -217,8 +234,9 @@ def _ends_sentence(text: str, punctuation_start: int, next_sentence_start: int) 
         return True
     if text[next_sentence_start].islower():  # "approx. three", "etc. and"
         return False
-    word_start = punctuation_start
-    while word_start > 0 and not text[word_start - 1].isspace() and punctuation_start - word_start < _LONGEST_ABBREVIATION:
+    # The word the "." ends, looked at no further back than the longest abbreviation reaches.
+    word_start, lowest = punctuation_start, max(0, punctuation_start - _LONGEST_ABBREVIATION)
+    while word_start > lowest and not text[word_start - 1].isspace():
         word_start -= 1
     word = text[word_start : punctuation_start + 1].lower()
     if word in _ABBREVIATIONS:
@@ -247,7 +265,7 @@ class _DocumentSplit:
         new_text_from = start  # the previous chunk's end: every chunk must reach past it
         while True:
             end, kind = self._end(start, new_text_from)
-            if self.tokens.inside_word(start) or self.tokens.inside_word(end):
+            if self.tokens.cuts_word(start) or self.tokens.cuts_word(end):
                 end, kind, token_count = self._fit_cut_word(start, end, kind)
             else:
                 token_count = self.tokens.count(start, end)
@@ -318,10 +336,12 @@ class _DocumentSplit:
     def _fit_cut_word(self, start: int, end: int, kind: Boundary) -> tuple[int, Boundary, int]:
         """A chunk with an edge inside a word is counted afresh: on its own, "##ational" of "international" is
         tokenized as a word start, maybe into more tokens. Drops tokens from its end until it fits the budget,
-        keeping at least one so that splitting advances. Returns the end, its kind and the chunk's tokens."""
+        and characters once a single token is left (a budget smaller than one piece's fresh tokenization).
+        Returns the end, its kind and the chunk's tokens."""
         token_count = self.splitter.count_tokens(self.text[start:end])
-        while token_count > self.budget and self.tokens.count(start, end) > 1:
-            end, kind = self.tokens.starts[self.tokens.index_at(end) - 1], Boundary.TOKEN
+        while token_count > self.budget and end - start > 1:
+            last_token_start = self.tokens.starts[self.tokens.index_at(end) - 1]
+            end, kind = (last_token_start if last_token_start > start else end - 1), Boundary.TOKEN
             token_count = self.splitter.count_tokens(self.text[start:end])
         return end, kind, token_count
 
