@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from redis import Redis
 from starlette.concurrency import run_in_threadpool
 
-from api import batches, files, schedules, webhooks
+from api import batches, files, rag, schedules, webhooks
 from api.auth import KeyCache
 from api.errors import install_error_handlers
 from api.observability import install_observability
@@ -56,5 +56,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(batches.router)
     app.include_router(webhooks.router)
     app.include_router(schedules.router)
+    app.include_router(rag.router)
     install_observability(app, settings)
     return app

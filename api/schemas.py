@@ -8,6 +8,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from jobs.models import Batch, File, Schedule, ScheduleFire, WebhookAttempt, WebhookEndpoint
+from jobs.rag.jobs import RagJobSpec, has_manifest, manifest_file_id
 from jobs.schedules import ScheduleSpec, inbox_uri, run_id
 from jobs.settings import S3Settings
 from jobs.webhook_signing import secret_hint
@@ -139,6 +140,82 @@ class BatchObject(BaseModel):
             ),
             metadata=row.batch_metadata,
             priority=row.priority,
+        )
+
+
+class RagJobOptions(BaseModel):
+    """How documents become chunks; a field left out takes its default (shown on the created job)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    chunk_tokens: int | None = Field(default=None, description="embedding-model tokens per chunk (default 254)")
+    overlap_tokens: int | None = Field(default=None, description="tokens a chunk may share with the next (32)")
+    contextualize: bool | None = Field(default=None, description="prefix each chunk with a generated context")
+    context_prompt: str | None = Field(default=None, description="template with {document} and {chunk}")
+    context_max_tokens: int | None = Field(default=None, description="generated tokens per context (96)")
+    embedding_model: str | None = Field(default=None, description="must be the service's (the default)")
+
+
+class CreateRagJob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str | None = Field(default=None, description="a JSONL file of document lines; or input_prefix")
+    input_prefix: str | None = Field(
+        default=None, description="every object under this prefix of the project's inbox, listed at creation"
+    )
+    options: RagJobOptions = Field(default_factory=RagJobOptions)
+    metadata: dict[str, str] | None = None
+    completion_window: str = "24h"
+    priority: int = Field(default=0, description="engine priority of the job's context generation: lower first")
+
+    def spec(self) -> RagJobSpec:
+        return RagJobSpec(
+            input_file_id=self.input_file_id,
+            input_prefix=self.input_prefix,
+            options=self.options.model_dump(exclude_none=True),
+            metadata=self.metadata,
+            completion_window=self.completion_window,
+            priority=self.priority,
+        )
+
+
+class RagJobObject(BaseModel):
+    """A RAG preprocessing job; request_counts count documents."""
+
+    id: str
+    object: Literal["rag.job"] = "rag.job"
+    status: str
+    options: dict[str, Any]
+    input_file_id: str  # the uploaded file, or for input_prefix the listing of the prefix's objects
+    input_prefix: str | None
+    errors: BatchErrors | None
+    request_counts: RequestCounts
+    output_file_id: str | None  # Parquet: one row per chunk
+    manifest_file_id: str | None  # JSON: options, counts, models, files
+    error_file_id: str | None  # JSONL: {"doc_id", "error": {"code", "message"}} per document that failed
+    completion_window: str
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    metadata: dict[str, str] | None
+    priority: int
+
+    @classmethod
+    def of(cls, row: Batch) -> "RagJobObject":
+        batch = BatchObject.of(row)
+        return cls(
+            **batch.model_dump(exclude={"id", "object", "endpoint", "errors"}),
+            id=row.id,
+            errors=batch.errors,
+            options=row.rag_options or {},
+            input_prefix=row.input_prefix,
+            manifest_file_id=manifest_file_id(row.id) if has_manifest(row) else None,
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import exists, select
+from sqlalchemy import ColumnElement, exists, select
 from sqlalchemy.orm import Session
 
 from jobs.batch_format import ENDPOINTS
@@ -20,6 +20,8 @@ MIN_PRIORITY, MAX_PRIORITY = -100, 100
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+# A RAG preprocessing job (`jobs.rag.jobs`) is a batch row with this endpoint: /v1/batches neither lists nor shows it.
+RAG_ENDPOINT = "/v1/rag/jobs"
 
 
 def create_batch(
@@ -38,19 +40,26 @@ def create_batch(
     check_batch_options(endpoint=endpoint, completion_window=completion_window, metadata=metadata)
     check_priority(priority)
     check_input_file(session, project_id, input_file_id)
-    now = utcnow()
-    window = COMPLETION_WINDOWS[completion_window] if window_seconds is None else timedelta(seconds=window_seconds)
-    batch = Batch(
-        project_id=project_id,
-        input_file_id=input_file_id,
-        endpoint=endpoint,
-        completion_window=completion_window,
-        priority=priority,
-        status=BatchStatus.validating,
-        batch_metadata=metadata,
-        created_at=now,
-        expires_at=now + window,
+    return add_batch(
+        session,
+        Batch(
+            project_id=project_id,
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+            completion_window=completion_window,
+            priority=priority,
+            batch_metadata=metadata,
+        ),
+        window_seconds,
     )
+
+
+def add_batch(session: Session, batch: Batch, window_seconds: float | None) -> Batch:
+    """Add a checked batch (or RAG job) row as `validating`, its deadline set from its completion window."""
+    batch.created_at = utcnow()
+    window = COMPLETION_WINDOWS[batch.completion_window] if window_seconds is None else timedelta(seconds=window_seconds)
+    batch.expires_at = batch.created_at + window
+    batch.status = BatchStatus.validating
     session.add(batch)
     session.flush()
     return batch
@@ -62,13 +71,17 @@ def check_batch_options(*, endpoint: str, completion_window: str, metadata: dict
         raise ServiceError(
             "invalid_request", f"endpoint must be one of {list(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
         )
+    check_completion_window(completion_window)
+    check_metadata(metadata)
+
+
+def check_completion_window(completion_window: str) -> None:
     if completion_window not in COMPLETION_WINDOWS:
         raise ServiceError(
             "invalid_request",
             f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {completion_window!r}",
             param="completion_window",
         )
-    _check_metadata(metadata)
 
 
 def check_priority(priority: int) -> None:
@@ -90,7 +103,7 @@ def check_input_file(session: Session, project_id: str, input_file_id: str) -> N
         )
 
 
-def _check_metadata(metadata: dict[str, str] | None) -> None:
+def check_metadata(metadata: dict[str, str] | None) -> None:
     if metadata is None:
         return
     if len(metadata) > MAX_METADATA_PAIRS:
@@ -105,23 +118,33 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
             )
 
 
-def get_batch(session: Session, project_id: str, batch_id: str, *, for_update: bool = False) -> Batch:
-    query = select(Batch).where(Batch.id == batch_id, Batch.project_id == project_id)
+def _of_kind(rag_job: bool) -> ColumnElement[bool]:
+    """Batches and RAG jobs share the table; each API sees only its own kind (a RAG job is no batch to /v1/batches)."""
+    return Batch.endpoint == RAG_ENDPOINT if rag_job else Batch.endpoint != RAG_ENDPOINT
+
+
+def get_batch(
+    session: Session, project_id: str, batch_id: str, *, for_update: bool = False, rag_job: bool = False
+) -> Batch:
+    query = select(Batch).where(Batch.id == batch_id, Batch.project_id == project_id, _of_kind(rag_job))
     batch = session.scalar(query.with_for_update() if for_update else query)
     if batch is None:
-        raise ServiceError("not_found", f"No such Batch object: {batch_id}", param="batch_id")
+        kind, param = ("RagJob", "job_id") if rag_job else ("Batch", "batch_id")
+        raise ServiceError("not_found", f"No such {kind} object: {batch_id}", param=param)
     return batch
 
 
-def list_batches(session: Session, project_id: str, *, after: str | None, limit: int) -> Page[Batch]:
-    return paginate(session, Batch, project_id, after=after, limit=limit)
+def list_batches(
+    session: Session, project_id: str, *, after: str | None, limit: int, rag_job: bool = False
+) -> Page[Batch]:
+    return paginate(session, Batch, project_id, after=after, limit=limit, filters=[_of_kind(rag_job)])
 
 
-def request_cancel(session: Session, project_id: str, batch_id: str) -> tuple[Batch, bool]:
+def request_cancel(session: Session, project_id: str, batch_id: str, *, rag_job: bool = False) -> tuple[Batch, bool]:
     """Move the batch to `cancelling`. Returns it and whether finalize must be enqueued now: true once its chunks
     exist, since finalize drops the queued ones at once and the running ones call it again when they stop.
     Cancelling again repeats that, so a client retrying a cancel whose enqueue failed gets it done."""
-    batch = get_batch(session, project_id, batch_id, for_update=True)
+    batch = get_batch(session, project_id, batch_id, for_update=True, rag_job=rag_job)
     if batch.status not in (BatchStatus.validating, BatchStatus.in_progress, BatchStatus.cancelling):
         raise ServiceError(
             "conflict", f"Cannot cancel a batch with status {batch.status.value!r}", code="batch_not_cancellable"

@@ -97,6 +97,10 @@ class Batch(Base):
     priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # Set for batches a schedule created with a webhook: their events go to that endpoint only.
     webhook_endpoint_id: Mapped[str | None] = mapped_column(String(64))
+    # A RAG preprocessing job is a batch with endpoint "/v1/rag/jobs": these are its options (RagOptions.to_json()).
+    rag_options: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    # The inbox prefix a RAG job's documents were listed from (its input file is that listing); None otherwise.
+    input_prefix: Mapped[str | None] = mapped_column(String(1024))
     status: Mapped[BatchStatus] = mapped_column(Enum(BatchStatus, name="batch_status"), default=BatchStatus.validating)
     batch_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONB)
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)  # batch-level errors (OpenAI's errors.data)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 
-def file_key(project_id: str, file_id: str) -> str:
-    return f"files/{project_id}/{file_id}.jsonl"
+def file_key(project_id: str, file_id: str, extension: str = "jsonl") -> str:
+    return f"files/{project_id}/{file_id}.{extension}"
 
 
 def validation_errors_key(batch_id: str) -> str:
@@ -30,6 +30,12 @@ def inbox_key(project_id: str, relative_key: str) -> str:
 
     The trailing slash after the project id keeps one project's area from being a prefix of another's."""
     return f"inbox/{project_id}/{relative_key}"
+
+
+def rag_cache_prefix(project_id: str) -> str:
+    """Where a project's cached RAG chunks live (`jobs.rag.processing.ObjectStoreChunkCache`), one object per
+    document and settings. Per project: a cache hit would otherwise tell one tenant what another processed."""
+    return f"rag-cache/{project_id}/"
 
 
 # One newline byte, composed between inbox objects whose last line has no newline, so lines never merge.

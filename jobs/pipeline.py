@@ -12,6 +12,10 @@ idempotent, because with late acknowledgement any of them may run again after a 
   when Redis re-delivers a task whose worker is merely slow, not dead.
 - finalize composes the chunk objects into one output and one error file by S3 multipart copy, under ids
   derived from the batch id, and sets the final status only if nobody did it first.
+
+A RAG preprocessing job is a batch with endpoint `RAG_ENDPOINT` and takes the same steps with the same
+bookkeeping; what differs (its input lines are documents, a chunk's output is a Parquet part, finalize merges
+those and writes a manifest) is `jobs.rag.job_pipeline`'s, called where the kinds part ways.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from redis import Redis
 from redis.exceptions import LockError, RedisError
@@ -44,7 +48,7 @@ from jobs.batch_format import (
     error_record,
     response_record,
 )
-from jobs.batches import has_pending_chunks
+from jobs.batches import RAG_ENDPOINT, has_pending_chunks
 from jobs.db import SessionFactory
 from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, File, FilePurpose, utcnow
 from jobs.object_keys import (
@@ -61,6 +65,7 @@ from jobs.webhooks import record_batch_event
 
 if TYPE_CHECKING:  # the API imports the tasks, and through them this module, but runs no engine (nor torch)
     from engine.engine_loop import EngineLoop, RequestHandle
+    from jobs.rag.job_pipeline import RagJobRunner
 
 LineNumber = int
 log = logging.getLogger(__name__)
@@ -77,6 +82,44 @@ class EngineHandle:
     tokenizer: PromptTokenizer
     max_model_len: int
     model_name: str
+
+
+@dataclass(frozen=True)
+class RejectedLine:
+    """An input line validate refused."""
+
+    message: str  # "line N: why"
+    record: bytes  # its JSONL error record for the error file, newline included
+    not_json: bool  # not a JSON object at all: a file of nothing else is not JSONL and fails the batch
+
+
+class InputLines(Protocol):
+    """One kind of job's input lines (batch requests, RAG documents), as validate and finalize handle them."""
+
+    @property
+    def per_chunk(self) -> int: ...  # valid lines per chunk
+
+    def check(self, line_number: LineNumber, line: bytes) -> RejectedLine | None: ...
+
+    def expired_record(self, line: bytes) -> bytes: ...  # the error record of a valid line that never ran
+
+
+class _RequestLines:
+    """A batch's lines: OpenAI batch requests."""
+
+    def __init__(self, validator: BatchLineValidator, per_chunk: int) -> None:
+        self.validator = validator
+        self.per_chunk = per_chunk
+
+    def check(self, line_number: LineNumber, line: bytes) -> RejectedLine | None:
+        checked = self.validator.validate(line)
+        if not isinstance(checked, LineError):
+            return None
+        located = LineError(checked.custom_id, checked.code, f"line {line_number}: {checked.message}")
+        return RejectedLine(located.message, _jsonl(error_record(located)), checked.code == "invalid_json_line")
+
+    def expired_record(self, line: bytes) -> bytes:
+        return _jsonl(_expired_record(json.loads(line)["custom_id"]))
 
 
 class ChunkBusy(Exception):
@@ -135,6 +178,7 @@ class Pipeline:
         redis: Redis,
         engine: EngineHandle,
         embedder: TextEmbedder,
+        rag: RagJobRunner,
         enqueue_run_chunk: Callable[[str, int, int], None],
         enqueue_finalize: Callable[[str], None],
         enqueue_webhook_deliveries: Callable[[list[str]], None],
@@ -146,6 +190,7 @@ class Pipeline:
         self.stop_flags = StopFlags(redis, settings.redis_prefix)
         self.engine = engine
         self.embedder = embedder
+        self.rag = rag
         self.enqueue_run_chunk = enqueue_run_chunk
         self.enqueue_finalize = enqueue_finalize
         self.enqueue_webhook_deliveries = enqueue_webhook_deliveries
@@ -170,13 +215,13 @@ class Pipeline:
         if status not in (BatchStatus.validating, BatchStatus.cancelling):
             return
 
-        validator = BatchLineValidator(self.engine.tokenizer, self.engine.max_model_len, endpoint)  # type: ignore[arg-type]
+        lines = self._input_lines(endpoint, project_id)
         tally = _ValidationTally()
         chunks: list[_ChunkDraft] = []
         try:
             with self.store.upload_stream(validation_errors_key(batch_id)) as errors:
                 chunks = self._split(
-                    self.store.open_stream(file_key(project_id, input_file_id)), validator, tally, errors.write
+                    self.store.open_stream(file_key(project_id, input_file_id)), lines, tally, errors.write
                 )
         except ObjectNotFound:  # the input's bytes are gone (deleted after the batch was created)
             self._fail(batch_id, "invalid_file", f"input file {input_file_id} no longer exists")
@@ -194,10 +239,16 @@ class Pipeline:
             return
         self._record_chunks(batch_id, chunks, tally)
 
+    def _input_lines(self, endpoint: str, project_id: str) -> InputLines:
+        if endpoint == RAG_ENDPOINT:
+            return self.rag.document_lines(project_id)
+        validator = BatchLineValidator(self.engine.tokenizer, self.engine.max_model_len, endpoint)  # type: ignore[arg-type]
+        return _RequestLines(validator, self.settings.chunk_size)
+
     def _split(
         self,
         blocks: Iterable[bytes],
-        validator: BatchLineValidator,
+        lines: InputLines,
         tally: _ValidationTally,
         write_error: Callable[[bytes], None],
     ) -> list[_ChunkDraft]:
@@ -210,19 +261,17 @@ class Pipeline:
             if not line.strip():  # blank lines carry no request
                 continue
             tally.lines += 1
-            checked = validator.validate(line)
-            if isinstance(checked, LineError):
+            rejected = lines.check(line_number, line)
+            if rejected is not None:
                 tally.invalid += 1
-                tally.not_json += checked.code == "invalid_json_line"
-                message = f"line {line_number}: {checked.message}"
-                tally.first_problem = tally.first_problem or message
-                located = LineError(checked.custom_id, checked.code, message)
-                write_error(error_record(located).model_dump_json().encode() + b"\n")
+                tally.not_json += rejected.not_json
+                tally.first_problem = tally.first_problem or rejected.message
+                write_error(rejected.record)
                 draft.rejected_lines.append(line_number)
                 continue
             tally.valid += 1
             draft.num_requests += 1
-            if draft.num_requests == self.settings.chunk_size:
+            if draft.num_requests == lines.per_chunk:
                 chunks.append(draft)
                 draft = None
         if draft is not None and draft.num_requests > 0:
@@ -327,7 +376,15 @@ class Pipeline:
         )
         renewer.start()
         try:
-            completed, failed = self._run_requests(batch, chunk)
+            if batch.endpoint == RAG_ENDPOINT:
+                completed, failed = self.rag.run_documents(
+                    batch,
+                    [line for _, line in self._chunk_lines(batch, chunk)],
+                    output_key=chunk_output_key(batch.id, chunk.index),
+                    errors_key=chunk_errors_key(batch.id, chunk.index),
+                )
+            else:
+                completed, failed = self._run_requests(batch, chunk)
             self._finish_chunk(batch.id, chunk.index, ChunkStatus.done, completed, failed)
             log.info("batch %s chunk %d: %d completed, %d failed", batch.id, chunk.index, completed, failed)
         finally:
@@ -338,17 +395,21 @@ class Pipeline:
             except LockError:  # it lapsed meanwhile; whoever took it over will find the output and skip
                 pass
 
-    def _run_requests(self, batch: Batch, chunk: Chunk) -> tuple[int, int]:
+    def _chunk_lines(self, batch: Batch, chunk: Chunk) -> Iterator[tuple[LineNumber, bytes]]:
+        """The chunk's lines that validate accepted, with their numbers."""
         data = self.store.read_range(file_key(batch.project_id, batch.input_file_id), chunk.byte_start, chunk.byte_end)
+        rejected = set(chunk.rejected_lines)  # validation already wrote their error records
+        for line_number, _, _, line in iter_lines([data], chunk.first_line, chunk.byte_start):
+            if line_number not in rejected and line.strip():
+                yield line_number, line
+
+    def _run_requests(self, batch: Batch, chunk: Chunk) -> tuple[int, int]:
         validator = BatchLineValidator(self.engine.tokenizer, self.engine.max_model_len, batch.endpoint)  # type: ignore[arg-type]
-        rejected = set(chunk.rejected_lines)
         run_id = secrets.token_hex(4)  # keeps engine request ids unique should a lapsed lease let this chunk run twice
         submitted: list[tuple[BatchRequest, RequestHandle]] = []
         embedding_requests: list[EmbeddingRequest] = []
         records: list[BatchOutputLine] = []
-        for line_number, _, _, line in iter_lines([data], chunk.first_line, chunk.byte_start):
-            if line_number in rejected or not line.strip():
-                continue
+        for line_number, line in self._chunk_lines(batch, chunk):
             checked = validator.validate(line)
             if isinstance(checked, LineError):  # validate accepted this line; only a changed model could refuse it now
                 records.append(error_record(checked))
@@ -482,24 +543,33 @@ class Pipeline:
                 else []
             )
             session.expunge_all()
-            project_id, input_file_id = batch.project_id, batch.input_file_id
+            project_id = batch.project_id
             completed, failed = batch.completed_requests, batch.failed_requests
 
         expired_unstarted = sum(chunk.num_requests for chunk in never_started)
         if expired_unstarted:
-            self._write_expired_requests(batch_id, file_key(project_id, input_file_id), never_started)
+            self._write_expired_requests(batch, never_started)
         failed += expired_unstarted
         files: list[File] = []
         output_file_id = error_file_id = None
+        outputs = [chunk_output_key(batch_id, index) for index in done]
         if completed:
             output_file_id = derived_file_id(batch_id, "output")
-            sources = [chunk_output_key(batch_id, index) for index in done]
-            files.append(self._compose_file(project_id, output_file_id, f"{batch_id}_output.jsonl", sources))
+            if batch.endpoint == RAG_ENDPOINT:
+                files.append(self.rag.merge_outputs(project_id, output_file_id, f"{batch_id}.parquet", outputs))
+            else:
+                files.append(self._compose_file(project_id, output_file_id, f"{batch_id}_output.jsonl", outputs))
         if failed:
             error_file_id = derived_file_id(batch_id, "error")
             sources = [validation_errors_key(batch_id)] + [chunk_errors_key(batch_id, index) for index in done]
             sources.append(expired_requests_key(batch_id))
             files.append(self._compose_file(project_id, error_file_id, f"{batch_id}_error.jsonl", sources))
+        if batch.endpoint == RAG_ENDPOINT:
+            files.append(
+                self.rag.write_manifest(
+                    batch, stop_reason, outputs, failed=failed, output_file_id=output_file_id, error_file_id=error_file_id
+                )
+            )
 
         with self.sessions.begin() as session:
             batch = _lock_batch(session, batch_id)
@@ -543,15 +613,13 @@ class Pipeline:
                     .values(status=ChunkStatus.skipped, finished_at=utcnow())
                 )
 
-    def _write_expired_requests(self, batch_id: str, input_key: str, chunks: list[Chunk]) -> None:
+    def _write_expired_requests(self, batch: Batch, chunks: list[Chunk]) -> None:
         """A `batch_expired` error line for each request of the chunks that never ran, as OpenAI reports them."""
-        with self.store.upload_stream(expired_requests_key(batch_id)) as records:
+        lines = self._input_lines(batch.endpoint, batch.project_id)
+        with self.store.upload_stream(expired_requests_key(batch.id)) as records:
             for chunk in chunks:
-                rejected = set(chunk.rejected_lines)  # validation already wrote their error lines
-                data = self.store.read_range(input_key, chunk.byte_start, chunk.byte_end)
-                for line_number, _, _, line in iter_lines([data], chunk.first_line, chunk.byte_start):
-                    if line_number not in rejected and line.strip():
-                        records.write(_expired_record(json.loads(line)["custom_id"]).model_dump_json().encode() + b"\n")
+                for _, line in self._chunk_lines(batch, chunk):
+                    records.write(lines.expired_record(line))
 
     def _lease_key(self, batch_id: str, index: int) -> str:
         return f"{self.settings.redis_prefix}chunk-lease:{batch_id}:{index}"
@@ -593,6 +661,10 @@ def _expired_record(custom_id: str | None) -> BatchOutputLine:
     return error_record(
         LineError(custom_id, "batch_expired", "the batch expired before this request was completed")
     )
+
+
+def _jsonl(record: BatchOutputLine) -> bytes:
+    return record.model_dump_json().encode() + b"\n"
 
 
 def _lock_batch(session: Session, batch_id: str) -> Batch | None:

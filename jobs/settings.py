@@ -45,6 +45,7 @@ class Settings:
     device: str | None = None  # None: cuda when available, else cpu
     engine_options: Mapping[str, Any] = field(default_factory=dict)  # EngineConfig fields overriding defaults
     chunk_size: int = 100  # requests per run_chunk task
+    rag_documents_per_chunk: int = 16  # documents per run_chunk task of a RAG job
     worker_concurrency: int | None = None  # run_chunk tasks one worker runs at once; None: enough to fill the batch
     max_upload_bytes: int = 200 * 1000 * 1000  # largest file POST /v1/files accepts (200 MB)
     task_visibility_timeout: float = 600.0  # seconds before Redis hands an unacknowledged task to another worker
@@ -67,6 +68,8 @@ class Settings:
             raise ValueError(f"CONVEYOR_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if self.chunk_size < 1:
             raise ValueError(f"CONVEYOR_CHUNK_SIZE must be >= 1, got {self.chunk_size}")
+        if self.rag_documents_per_chunk < 1:
+            raise ValueError(f"CONVEYOR_RAG_DOCUMENTS_PER_CHUNK must be >= 1, got {self.rag_documents_per_chunk}")
         if self.max_upload_bytes < 1:
             raise ValueError(f"CONVEYOR_MAX_UPLOAD_BYTES must be >= 1, got {self.max_upload_bytes}")
         unknown = set(self.engine_options) - {f.name for f in dataclasses.fields(EngineConfig)}

@@ -19,7 +19,9 @@ from jobs.celery_app import CONTROL_QUEUE, GPU_QUEUE, celery_app
 from jobs.db import make_engine, make_session_factory
 from jobs.lazy_embedder import LazyEmbedder
 from jobs.pipeline import EngineHandle, Pipeline
+from jobs.rag.job_pipeline import RagJobRunner
 from jobs.settings import Settings
+from jobs.stop_flags import StopFlags
 from jobs.worker_metrics import start_worker_telemetry
 from jobs.storage import ObjectStore
 
@@ -47,17 +49,27 @@ def build_pipeline(settings: Settings) -> Pipeline:
         raise ValueError(f"model {settings.model!r} has no tokenizer; the batch API needs one to read prompts")
     store = ObjectStore(settings.s3)
     store.ensure_bucket()
+    redis = Redis.from_url(settings.redis_url)
+    engine_handle = EngineHandle(
+        loop=loop, tokenizer=engine.tokenizer, max_model_len=engine.max_model_len, model_name=engine.model_name
+    )
+    embedder = LazyEmbedder(
+        settings.embedding_model,
+        lambda: Embedder(settings.embedding_model, dtype=settings.dtype, device=settings.device),
+    )
     return Pipeline(
         settings=settings,
         sessions=make_session_factory(make_engine(settings.database_url)),
         store=store,
-        redis=Redis.from_url(settings.redis_url),
-        engine=EngineHandle(
-            loop=loop, tokenizer=engine.tokenizer, max_model_len=engine.max_model_len, model_name=engine.model_name
-        ),
-        embedder=LazyEmbedder(
-            settings.embedding_model,
-            lambda: Embedder(settings.embedding_model, dtype=settings.dtype, device=settings.device),
+        redis=redis,
+        engine=engine_handle,
+        embedder=embedder,
+        rag=RagJobRunner(
+            settings=settings,
+            store=store,
+            stop_flags=StopFlags(redis, settings.redis_prefix),
+            engine=engine_handle,
+            embedder=embedder,
         ),
         enqueue_run_chunk=tasks.enqueue_run_chunk,
         enqueue_finalize=tasks.enqueue_finalize,

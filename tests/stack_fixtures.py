@@ -54,6 +54,7 @@ def service_settings(database_url: str, s3_settings: S3Settings) -> Iterator[Set
             redis_prefix=prefix,
             s3=s3_settings,
             chunk_size=16,
+            rag_documents_per_chunk=2,  # RAG jobs of a few documents still run several chunks and merge their parts
             worker_concurrency=4,
             task_visibility_timeout=15,  # a killed worker's tasks come back within ~20 s
             chunk_lease_seconds=6,

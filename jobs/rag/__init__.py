@@ -1,4 +1,5 @@
-"""RAG preprocessing's document layer: documents in (`documents`), token-budgeted chunks out (`splitter`).
+"""RAG preprocessing: documents in (`documents`), token-budgeted chunks (`splitter`), contexts from the engine
+(`contextualize`), embedded and cached chunk records out as Parquet (`processing`).
 
-Pure functions over bytes and strings: fetching from S3, contextualizing and embedding are the caller's.
+`documents` and `splitter` are pure functions over bytes and strings; fetching from S3 is the caller's.
 """

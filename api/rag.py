@@ -1,0 +1,69 @@
+"""/v1/rag/jobs: RAG preprocessing jobs. Create, retrieve, list, cancel; the work is the batch pipeline's."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from api.auth import ProjectDep
+from api.deps import ReadSessionsDep, SettingsDep, StopFlagsDep, StoreDep, WriteSessionsDep
+from api.schemas import CreateRagJob, ListPage, RagJobObject
+from jobs import batches
+from jobs.pagination import MAX_PAGE_SIZE
+from jobs.rag import jobs as rag_jobs
+from jobs.stop_flags import StopReason
+from jobs.tasks import enqueue_finalize, enqueue_validate
+
+router = APIRouter(prefix="/v1/rag/jobs", tags=["rag"])
+
+
+@router.post("", response_model=RagJobObject)
+def create_rag_job(
+    body: CreateRagJob, sessions: WriteSessionsDep, store: StoreDep, settings: SettingsDep, project_id: ProjectDep
+) -> RagJobObject:
+    spec = body.spec()
+    options = rag_jobs.check_rag_job(spec, settings.embedding_model)
+    job_id = rag_jobs.new_job_id()
+    # Listed before the transaction: no pooled connection waits on S3.
+    listing = (
+        None
+        if spec.input_prefix is None
+        else rag_jobs.list_prefix(store, settings.s3, project_id, job_id, spec.input_prefix)
+    )
+    with sessions.begin() as session:
+        job = rag_jobs.add_rag_job(
+            session, project_id, job_id, spec, options, listing, settings.completion_window_seconds
+        )
+    enqueue_validate(job.id)
+    return RagJobObject.of(job)
+
+
+@router.get("/{job_id}", response_model=RagJobObject)
+def retrieve_rag_job(job_id: str, sessions: ReadSessionsDep, project_id: ProjectDep) -> RagJobObject:
+    with sessions() as session:
+        return RagJobObject.of(batches.get_batch(session, project_id, job_id, rag_job=True))
+
+
+@router.get("", response_model=ListPage[RagJobObject])
+def list_rag_jobs(
+    sessions: ReadSessionsDep,
+    project_id: ProjectDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 20,
+) -> ListPage[RagJobObject]:
+    with sessions() as session:
+        page = batches.list_batches(session, project_id, after=after, limit=limit, rag_job=True)
+    return ListPage.of([RagJobObject.of(row) for row in page.rows], page.has_more)
+
+
+@router.post("/{job_id}/cancel", response_model=RagJobObject)
+def cancel_rag_job(
+    job_id: str, sessions: WriteSessionsDep, stop_flags: StopFlagsDep, project_id: ProjectDep
+) -> RagJobObject:
+    with sessions.begin() as session:
+        job, finalize_now = batches.request_cancel(session, project_id, job_id, rag_job=True)
+    if finalize_now:
+        stop_flags.raise_flag(job.id, StopReason.cancelled)  # running chunks stop between documents on seeing it
+        enqueue_finalize(job.id)
+    return RagJobObject.of(job)
