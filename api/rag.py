@@ -23,18 +23,10 @@ def create_rag_job(
     body: CreateRagJob, sessions: WriteSessionsDep, store: StoreDep, settings: SettingsDep, project_id: ProjectDep
 ) -> RagJobObject:
     spec = body.spec()
-    options = rag_jobs.check_rag_job(spec, settings.embedding_model)
-    job_id = rag_jobs.new_job_id()
-    # Listed before the transaction: no pooled connection waits on S3.
-    listing = (
-        None
-        if spec.input_prefix is None
-        else rag_jobs.list_prefix(store, settings.s3, project_id, job_id, spec.input_prefix)
-    )
+    # Prepared before the transaction: no pooled connection waits on S3.
+    prepared = rag_jobs.prepare_rag_job(store, settings.s3, project_id, spec, settings.embedding_model)
     with sessions.begin() as session:
-        job = rag_jobs.add_rag_job(
-            session, project_id, job_id, spec, options, listing, settings.completion_window_seconds
-        )
+        job = rag_jobs.add_rag_job(session, project_id, spec, prepared, settings.completion_window_seconds)
     enqueue_validate(job.id)
     return RagJobObject.of(job)
 

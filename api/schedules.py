@@ -1,4 +1,5 @@
-"""/v1/schedules: recurring batches. Create, list, retrieve, pause, resume, delete, and the runs each one fired."""
+"""/v1/schedules: recurring batches and RAG jobs. Create, list, retrieve, pause, resume, delete, and the runs each
+one fired."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ PageLimit = Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)]
 def create_schedule(
     body: CreateSchedule, sessions: WriteSessionsDep, settings: SettingsDep, project_id: ProjectDep
 ) -> ScheduleObject:
+    spec = body.spec()
     with sessions.begin() as session:
-        schedule = schedules.create_schedule(session, project_id, body.spec())
+        schedule = schedules.create_schedule(session, project_id, spec, embedding_model=settings.embedding_model)
     return ScheduleObject.of(schedule, settings.s3)
 
 

@@ -224,7 +224,7 @@ class CreateSchedule(BaseModel):
 
     cron: str = Field(description="five cron fields (minute hour day-of-month month day-of-week), e.g. '0 2 * * *'")
     timezone: str = Field(default="UTC", description="IANA time zone the cron fields are read in")
-    endpoint: str
+    endpoint: str = Field(description="a batch endpoint, or '/v1/rag/jobs' for a RAG job with rag_options")
     completion_window: str
     input_file_id: str | None = Field(default=None, description="an uploaded file; or give input_prefix")
     input_prefix: str | None = Field(
@@ -233,9 +233,13 @@ class CreateSchedule(BaseModel):
     metadata: dict[str, str] | None = None
     priority: int = Field(default=0, description="the batches' engine priority: lower runs first")
     webhook_endpoint_id: str | None = None
+    rag_options: RagJobOptions | None = Field(default=None, description="POST /v1/rag/jobs's options")
 
     def spec(self) -> ScheduleSpec:
-        return ScheduleSpec(**self.model_dump())
+        return ScheduleSpec(
+            **self.model_dump(exclude={"rag_options"}),
+            rag_options=None if self.rag_options is None else self.rag_options.model_dump(exclude_none=True),
+        )
 
 
 class ScheduleObject(BaseModel):
@@ -251,6 +255,7 @@ class ScheduleObject(BaseModel):
     metadata: dict[str, str] | None
     priority: int
     webhook_endpoint_id: str | None
+    rag_options: dict[str, Any] | None  # a RAG template's options, defaults filled in; None for a batch template
     paused: bool
     next_fire_at: int
     created_at: int
@@ -269,6 +274,7 @@ class ScheduleObject(BaseModel):
             metadata=row.batch_metadata,
             priority=row.priority,
             webhook_endpoint_id=row.webhook_endpoint_id,
+            rag_options=row.rag_options,
             paused=row.paused,
             next_fire_at=int(row.next_fire_at.timestamp()),
             created_at=int(row.created_at.timestamp()),
@@ -282,13 +288,13 @@ class DeletedSchedule(BaseModel):
 
 
 class ScheduleRunObject(BaseModel):
-    """One fire time of a schedule: the batch it created, or why it could not."""
+    """One fire time of a schedule: the batch (or RAG job) it created, or why it could not."""
 
     id: str
     object: Literal["schedule.run"] = "schedule.run"
     schedule_id: str
     fire_time: int
-    batch_id: str | None
+    batch_id: str | None  # or the RAG job's id
     error: str | None
     created_at: int
 

@@ -22,6 +22,7 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 # A RAG preprocessing job (`jobs.rag.jobs`) is a batch row with this endpoint: /v1/batches neither lists nor shows it.
 RAG_ENDPOINT = "/v1/rag/jobs"
+MAX_INPUT_PREFIX_CHARS = 512  # leaves room for the inbox and S3 prefixes within S3's 1,024-byte keys
 
 
 def create_batch(
@@ -101,6 +102,34 @@ def check_input_file(session: Session, project_id: str, input_file_id: str) -> N
             f"file {input_file_id} has purpose {input_file.purpose.value!r}; a batch input needs purpose 'batch'",
             param="input_file_id",
         )
+
+
+def check_one_input(input_file_id: str | None, input_prefix: str | None) -> None:
+    """A schedule or RAG job reads one uploaded file or every object under a prefix of the project's inbox."""
+    if (input_file_id is None) == (input_prefix is None):
+        raise ServiceError(
+            "invalid_request", "give exactly one of input_file_id and input_prefix", param="input_file_id"
+        )
+    if input_prefix is not None:
+        check_input_prefix(input_prefix)
+
+
+def check_input_prefix(prefix: str) -> None:
+    """A prefix relative to the project's inbox. S3 keys have no `..`, but refusing such segments (and empty
+    ones) keeps prefixes meaning what they look like."""
+    segments = prefix.split("/")
+    inner_segments, last_segment = segments[:-1], segments[-1]  # the last may be empty: "nightly/" is fine
+    if not prefix:
+        problem = "must not be empty"
+    elif len(prefix) > MAX_INPUT_PREFIX_CHARS:
+        problem = f"must be at most {MAX_INPUT_PREFIX_CHARS} characters"
+    elif any(ord(char) < 32 or ord(char) == 127 for char in prefix):
+        problem = "must not contain control characters"
+    elif any(segment in ("", ".", "..") for segment in inner_segments) or last_segment in (".", ".."):
+        problem = "must be relative to the project's inbox, with no empty, '.' or '..' segments"
+    else:
+        return
+    raise ServiceError("invalid_request", f"input_prefix {problem}; got {prefix[:80]!r}", param="input_prefix")
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:

@@ -218,7 +218,8 @@ class WebhookAttempt(Base):
 
 
 class Schedule(Base):
-    """A recurring batch: at each time the cron expression names (in its time zone), a batch from the template."""
+    """A recurring batch: at each time the cron expression names (in its time zone), a batch from the template
+    (a RAG job when the endpoint is "/v1/rag/jobs")."""
 
     __tablename__ = "schedules"
     __table_args__ = (
@@ -238,18 +239,20 @@ class Schedule(Base):
     batch_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONB)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     webhook_endpoint_id: Mapped[str | None] = mapped_column(String(64))
+    # A RAG template's options (RagOptions.to_json(), defaults filled in); None for a batch template.
+    rag_options: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     paused: Mapped[bool] = mapped_column(Boolean, default=False)
     next_fire_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # UTC
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class ScheduleFire(Base):
-    """The guard that makes each fire time of a schedule create one batch, whatever beats run."""
+    """The guard that makes each fire time of a schedule create one batch (or RAG job), whatever beats run."""
 
     __tablename__ = "schedule_fires"
 
     schedule_id: Mapped[str] = mapped_column(ForeignKey("schedules.id", ondelete="CASCADE"), primary_key=True)
     fire_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
-    batch_id: Mapped[str | None] = mapped_column(String(64))  # None: the fire failed (see error)
+    batch_id: Mapped[str | None] = mapped_column(String(64))  # or the RAG job's id; None: the fire failed (see error)
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

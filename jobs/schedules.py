@@ -1,4 +1,7 @@
-"""Recurring batches: a cron expression in a time zone, and a batch template fired at each time it names.
+"""Recurring batches and RAG jobs: a cron expression in a time zone, and a template fired at each time it names.
+
+A template with endpoint `/v1/rag/jobs` makes a RAG job (with the schedule's `rag_options`) as `POST /v1/rag/jobs`
+would, an inbox prefix listed at each fire; any other endpoint makes a batch.
 
 Cron times are wall-clock times in the schedule's zone: "0 2 * * *" in Europe/Paris fires at 02:00 Paris time in
 winter and in summer. On the spring-forward day a time the clock skips (02:30) fires when the clock jumps (03:30,
@@ -7,12 +10,12 @@ as cron does); on the fall-back day a repeated time fires once, at its first occ
 Firing (`fire_due_schedules`, run by beat's sweep) is exactly once per fire time, whatever the number of beats or
 sweeps running at once: the sweep locks the schedule's row (`FOR UPDATE SKIP LOCKED`, so a second sweep skips it
 instead of waiting), and inserts the `schedule_fires` row whose primary key (schedule, fire time) refuses a second
-fire of the same time; the batch, that row and the advanced `next_fire_at` commit together.
+fire of the same time; the batch (or RAG job), that row and the advanced `next_fire_at` commit together.
 
 Catch-up policy: a schedule found late (beat was down, or the worker busy) fires once, stamped with the time that
 was due, and `next_fire_at` moves to the first cron time after now: a beat down for a day fires a daily schedule
-once and an hourly one once, not 24 times. A fire that cannot make its batch (the input file was deleted, the
-inbox prefix is empty) records the error on its `schedule_fires` row and the schedule still advances; a failure
+once and an hourly one once, not 24 times. A fire that cannot make its batch or job (the input file was deleted,
+the inbox prefix is empty) records the error on its `schedule_fires` row and the schedule still advances; a failure
 of the services themselves (S3 or the database down) leaves the schedule due, and the next sweep tries again.
 
 Inputs come from one file, or from every object under a prefix of the project's inbox (`inbox/<project id>/` in
@@ -28,13 +31,21 @@ import zoneinfo
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 from croniter import CroniterError, croniter
 from sqlalchemy import select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from jobs.batches import check_batch_options, check_input_file, check_priority, create_batch
+from jobs.batches import (
+    RAG_ENDPOINT,
+    check_batch_options,
+    check_input_file,
+    check_one_input,
+    check_priority,
+    create_batch,
+)
 from jobs.db import SessionFactory
 from jobs.errors import ServiceError
 from jobs.files import record_file
@@ -42,6 +53,8 @@ from jobs.models import Batch, File, FilePurpose, Schedule, ScheduleFire, utcnow
 from jobs.object_keys import NEWLINE_KEY, file_key, inbox_key
 from jobs.pagination import MAX_PAGE_SIZE, Page, paginate
 from jobs.pipeline import derived_file_id
+from jobs.rag.jobs import RagJobSpec, add_rag_job, check_rag_job, prepare_rag_job
+from jobs.rag.processing import RagOptions
 from jobs.settings import S3Settings
 from jobs.storage import ObjectNotFound, ObjectStore
 from jobs.webhooks import get_endpoint
@@ -50,13 +63,12 @@ log = logging.getLogger(__name__)
 
 CRON_FIELDS = ("minute", "hour", "day-of-month", "month", "day-of-week")
 MAX_CRON_CHARS = 128  # the column's width
-MAX_INPUT_PREFIX_CHARS = 512  # leaves room for the inbox and S3 prefixes within S3's 1,024-byte keys
 RUN_ID_PREFIX = "run_"
 
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """What a client asks for: when, and the batch to create each time."""
+    """What a client asks for: when, and the batch (or RAG job) to create each time."""
 
     cron: str
     timezone: str
@@ -67,6 +79,7 @@ class ScheduleSpec:
     metadata: dict[str, str] | None
     priority: int
     webhook_endpoint_id: str | None
+    rag_options: dict[str, Any] | None = None  # the RagOptions fields the client set; only for RAG_ENDPOINT
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,7 @@ class Fire:
 
     schedule_id: str
     fire_time: datetime
-    batch_id: str | None
+    batch_id: str | None  # or the RAG job's id
     error: str | None
 
 
@@ -136,21 +149,12 @@ def next_fire_time(cron: str, time_zone: str, after: datetime) -> datetime:
 # the API's operations
 
 
-def create_schedule(session: Session, project_id: str, spec: ScheduleSpec, *, now: datetime | None = None) -> Schedule:
+def create_schedule(
+    session: Session, project_id: str, spec: ScheduleSpec, *, embedding_model: str, now: datetime | None = None
+) -> Schedule:
+    """embedding_model: the service's (Settings.embedding_model), the only one a RAG template may name."""
     cron = normalized_cron(spec.cron)
     check_time_zone(spec.timezone)
-    check_batch_options(endpoint=spec.endpoint, completion_window=spec.completion_window, metadata=spec.metadata)
-    check_priority(spec.priority)
-    if (spec.input_file_id is None) == (spec.input_prefix is None):
-        raise ServiceError(
-            "invalid_request", "give exactly one of input_file_id and input_prefix", param="input_file_id"
-        )
-    if spec.input_file_id is not None:
-        check_input_file(session, project_id, spec.input_file_id)
-    if spec.input_prefix is not None:
-        check_input_prefix(spec.input_prefix)
-    if spec.webhook_endpoint_id is not None:
-        _check_webhook_endpoint(session, project_id, spec.webhook_endpoint_id)
     now = now or utcnow()
     schedule = Schedule(
         project_id=project_id,
@@ -163,31 +167,59 @@ def create_schedule(session: Session, project_id: str, spec: ScheduleSpec, *, no
         batch_metadata=spec.metadata,
         priority=spec.priority,
         webhook_endpoint_id=spec.webhook_endpoint_id,
+        rag_options=spec.rag_options,
         paused=False,
         next_fire_at=next_fire_time(cron, spec.timezone, now),
         created_at=now,
     )
+    if schedule.endpoint == RAG_ENDPOINT:
+        # Stored with every default filled in, as a RAG job shows them: each fire runs the same settings.
+        schedule.rag_options = _check_rag_template(schedule, embedding_model).to_json()
+    else:
+        _check_batch_template(schedule)
+    if schedule.input_file_id is not None:
+        check_input_file(session, project_id, schedule.input_file_id)
+    if schedule.webhook_endpoint_id is not None:
+        _check_webhook_endpoint(session, project_id, schedule.webhook_endpoint_id)
     session.add(schedule)
     session.flush()
     return schedule
 
 
-def check_input_prefix(prefix: str) -> None:
-    """A prefix relative to the project's inbox. S3 keys have no `..`, but refusing such segments (and empty
-    ones) keeps prefixes meaning what they look like."""
-    segments = prefix.split("/")
-    inner_segments, last_segment = segments[:-1], segments[-1]  # the last may be empty: "nightly/" is fine
-    if not prefix:
-        problem = "must not be empty"
-    elif len(prefix) > MAX_INPUT_PREFIX_CHARS:
-        problem = f"must be at most {MAX_INPUT_PREFIX_CHARS} characters"
-    elif any(ord(char) < 32 or ord(char) == 127 for char in prefix):
-        problem = "must not contain control characters"
-    elif any(segment in ("", ".", "..") for segment in inner_segments) or last_segment in (".", ".."):
-        problem = "must be relative to the project's inbox, with no empty, '.' or '..' segments"
-    else:
-        return
-    raise ServiceError("invalid_request", f"input_prefix {problem}; got {prefix[:80]!r}", param="input_prefix")
+def _check_batch_template(schedule: Schedule) -> None:
+    check_batch_options(
+        endpoint=schedule.endpoint, completion_window=schedule.completion_window, metadata=schedule.batch_metadata
+    )
+    check_priority(schedule.priority)
+    check_one_input(schedule.input_file_id, schedule.input_prefix)
+    if schedule.rag_options is not None:
+        raise ServiceError(
+            "invalid_request", f"rag_options needs endpoint {RAG_ENDPOINT!r}, got {schedule.endpoint!r}",
+            param="rag_options",
+        )
+
+
+def _check_rag_template(schedule: Schedule, embedding_model: str) -> RagOptions:
+    """POST /v1/rag/jobs's checks of all but the input file (create_schedule checks that for any template)."""
+    try:
+        return check_rag_job(_rag_job_spec(schedule), embedding_model)
+    except ServiceError as invalid:
+        if invalid.param is None or not invalid.param.startswith("options"):
+            raise
+        # A RAG job's `options` are the schedule's `rag_options`: the client must find the field it sent.
+        raise ServiceError(invalid.kind, invalid.message, param=f"rag_{invalid.param}") from None
+
+
+def _rag_job_spec(schedule: Schedule) -> RagJobSpec:
+    """The RAG job a schedule's template describes, as POST /v1/rag/jobs would read it from a request."""
+    return RagJobSpec(
+        input_file_id=schedule.input_file_id,
+        input_prefix=schedule.input_prefix,
+        options=schedule.rag_options or {},
+        metadata=schedule.batch_metadata,
+        completion_window=schedule.completion_window,
+        priority=schedule.priority,
+    )
 
 
 def inbox_uri(s3: S3Settings, project_id: str, input_prefix: str) -> str:
@@ -266,10 +298,12 @@ def fire_due_schedules(
     store: ObjectStore,
     enqueue_validate: Callable[[str], None],
     *,
+    embedding_model: str,
     window_seconds: float | None = None,
     now: datetime | None = None,
 ) -> list[Fire]:
     """Fire every unpaused schedule due at `now`, each in its own transaction; return what this call fired.
+    embedding_model: the service's (Settings.embedding_model), which RAG templates are checked against again.
     window_seconds: the batches' deadline, as `create_batch` takes it (Settings.completion_window_seconds)."""
     now = now or utcnow()
     with sessions() as session:
@@ -281,7 +315,7 @@ def fire_due_schedules(
     fires: list[Fire] = []
     for schedule_id in due:
         try:
-            fire = _fire(sessions, store, schedule_id, now, window_seconds)
+            fire = _fire(sessions, store, schedule_id, now, embedding_model, window_seconds)
         except Exception:  # one schedule's trouble (S3 down, say) must not hold back the others
             log.exception("schedule %s: firing failed; it stays due and the next sweep tries again", schedule_id)
             continue
@@ -294,7 +328,12 @@ def fire_due_schedules(
 
 
 def _fire(
-    sessions: SessionFactory, store: ObjectStore, schedule_id: str, now: datetime, window_seconds: float | None
+    sessions: SessionFactory,
+    store: ObjectStore,
+    schedule_id: str,
+    now: datetime,
+    embedding_model: str,
+    window_seconds: float | None,
 ) -> Fire | None:
     """Fire one schedule if it is still due and no other sweep holds or has fired it; None otherwise."""
     with sessions.begin() as session:
@@ -319,7 +358,13 @@ def _fire(
         error: str | None = None
         try:
             with session.begin_nested():
-                batch_id = _create_batch(session, store, schedule, fire_time, window_seconds).id
+                if schedule.endpoint == RAG_ENDPOINT:
+                    created = _create_rag_job(session, store, schedule, embedding_model, window_seconds)
+                else:
+                    created = _create_batch(session, store, schedule, fire_time, window_seconds)
+                created.webhook_endpoint_id = schedule.webhook_endpoint_id
+                session.flush()
+                batch_id = created.id
         except ServiceError as failure:
             error = failure.message
         except ObjectNotFound as gone:
@@ -340,7 +385,7 @@ def _create_batch(
     if input_file_id is None:
         assert schedule.input_prefix is not None  # a schedule has one of the two
         input_file_id = _compose_inbox_input(session, store, schedule, fire_time).id
-    batch = create_batch(
+    return create_batch(
         session,
         schedule.project_id,
         input_file_id=input_file_id,
@@ -350,9 +395,16 @@ def _create_batch(
         priority=schedule.priority,
         window_seconds=window_seconds,
     )
-    batch.webhook_endpoint_id = schedule.webhook_endpoint_id
-    session.flush()
-    return batch
+
+
+def _create_rag_job(
+    session: Session, store: ObjectStore, schedule: Schedule, embedding_model: str, window_seconds: float | None
+) -> Batch:
+    """The RAG job POST /v1/rag/jobs would create from the template, checked again: the service's embedding model
+    may have changed since the schedule was created."""
+    spec = _rag_job_spec(schedule)
+    prepared = prepare_rag_job(store, store.settings, schedule.project_id, spec, embedding_model)
+    return add_rag_job(session, schedule.project_id, spec, prepared, window_seconds)
 
 
 def _compose_inbox_input(session: Session, store: ObjectStore, schedule: Schedule, fire_time: datetime) -> File:

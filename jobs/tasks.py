@@ -53,7 +53,11 @@ def fire_due_schedules() -> None:
     # No retry: beat sends the next sweep within seconds, and a schedule that failed stays due for it.
     pipeline = _pipeline()
     schedules.fire_due_schedules(
-        pipeline.sessions, pipeline.store, enqueue_validate, window_seconds=pipeline.settings.completion_window_seconds
+        pipeline.sessions,
+        pipeline.store,
+        enqueue_validate,
+        embedding_model=pipeline.settings.embedding_model,
+        window_seconds=pipeline.settings.completion_window_seconds,
     )
 
 

@@ -17,14 +17,21 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from jobs.batches import RAG_ENDPOINT, add_batch, check_completion_window, check_input_file, check_metadata, check_priority
+from jobs.batches import (
+    RAG_ENDPOINT,
+    add_batch,
+    check_completion_window,
+    check_input_file,
+    check_metadata,
+    check_one_input,
+    check_priority,
+)
 from jobs.errors import ServiceError
 from jobs.files import record_file
 from jobs.models import TERMINAL_BATCH_STATUSES, Batch, BatchStatus, FilePurpose, new_id
 from jobs.object_keys import file_key, inbox_key
 from jobs.pipeline import derived_file_id
 from jobs.rag.processing import RagOptions
-from jobs.schedules import check_input_prefix
 from jobs.settings import S3Settings
 from jobs.storage import ObjectStore
 
@@ -53,6 +60,15 @@ class PrefixListing:
     documents: int
 
 
+@dataclass(frozen=True)
+class PreparedRagJob:
+    """A checked job, its id and, for an input prefix, its listing: all that comes before its rows."""
+
+    job_id: str
+    options: RagOptions
+    listing: PrefixListing | None
+
+
 def new_job_id() -> str:
     return new_id(RAG_JOB_ID_PREFIX)
 
@@ -72,10 +88,7 @@ def check_rag_job(spec: RagJobSpec, service_embedding_model: str) -> RagOptions:
     check_completion_window(spec.completion_window)
     check_metadata(spec.metadata)
     check_priority(spec.priority)
-    if (spec.input_file_id is None) == (spec.input_prefix is None):
-        raise ServiceError("invalid_request", "give exactly one of input_file_id and input_prefix", param="input_file_id")
-    if spec.input_prefix is not None:
-        check_input_prefix(spec.input_prefix)
+    check_one_input(spec.input_file_id, spec.input_prefix)
     try:
         options = RagOptions.from_json({"embedding_model": service_embedding_model, **spec.options})
     except (TypeError, ValueError) as invalid:
@@ -110,16 +123,21 @@ def list_prefix(store: ObjectStore, s3: S3Settings, project_id: str, job_id: str
     return PrefixListing(file_id=file_id, object_key=object_key, size=len(data), documents=len(objects))
 
 
+def prepare_rag_job(
+    store: ObjectStore, s3: S3Settings, project_id: str, spec: RagJobSpec, service_embedding_model: str
+) -> PreparedRagJob:
+    """Everything before the job's rows: its checks, its id and, for an input prefix, the listing written to S3."""
+    options = check_rag_job(spec, service_embedding_model)
+    job_id = new_job_id()
+    listing = None if spec.input_prefix is None else list_prefix(store, s3, project_id, job_id, spec.input_prefix)
+    return PreparedRagJob(job_id=job_id, options=options, listing=listing)
+
+
 def add_rag_job(
-    session: Session,
-    project_id: str,
-    job_id: str,
-    spec: RagJobSpec,
-    options: RagOptions,
-    listing: PrefixListing | None,
-    window_seconds: float | None,
+    session: Session, project_id: str, spec: RagJobSpec, prepared: PreparedRagJob, window_seconds: float | None
 ) -> Batch:
-    """The job's row (and its listing's file row), `validating`; checked by `check_rag_job` first."""
+    """The job's row (and its listing's file row), `validating`."""
+    job_id, listing = prepared.job_id, prepared.listing
     if listing is not None:
         record_file(
             session,
@@ -143,7 +161,7 @@ def add_rag_job(
             input_file_id=input_file_id,
             input_prefix=spec.input_prefix,
             endpoint=RAG_ENDPOINT,
-            rag_options=options.to_json(),
+            rag_options=prepared.options.to_json(),
             completion_window=spec.completion_window,
             priority=spec.priority,
             batch_metadata=spec.metadata,

@@ -1,4 +1,4 @@
-"""RAG preprocessing jobs: a batch's RAG options and input prefix
+"""RAG preprocessing jobs: a batch's RAG options and input prefix, a schedule's RAG options
 
 Revision ID: 0003
 Revises: 0002
@@ -20,8 +20,10 @@ depends_on = None
 def upgrade() -> None:
     op.add_column('batches', sa.Column('rag_options', postgresql.JSONB(astext_type=sa.Text()), nullable=True))
     op.add_column('batches', sa.Column('input_prefix', sa.String(length=1024), nullable=True))
+    op.add_column('schedules', sa.Column('rag_options', postgresql.JSONB(astext_type=sa.Text()), nullable=True))
 
 
 def downgrade() -> None:
+    op.drop_column('schedules', 'rag_options')
     op.drop_column('batches', 'input_prefix')
     op.drop_column('batches', 'rag_options')

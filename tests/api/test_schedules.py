@@ -28,6 +28,7 @@ from tests.stack_fixtures import REDIS_URL, Stack, running_stack
 pytestmark = pytest.mark.slow
 
 COMPLETIONS = "/v1/completions"
+RAG_JOBS = "/v1/rag/jobs"
 NIGHTLY = {"cron": "0 2 * * *", "endpoint": COMPLETIONS, "completion_window": "24h"}
 
 
@@ -177,6 +178,7 @@ def test_create_list_pause_resume_delete(new_project: Callable[[str], Project], 
         "metadata": {"team": "search"},
     }
     assert schedule["input_file_id"] == file_id and schedule["input_prefix"] is None and schedule["input_uri"] is None
+    assert schedule["rag_options"] is None  # a batch template
     assert project.http.get(f"/schedules/{schedule['id']}").json() == schedule
 
     others = [project.created(**NIGHTLY, input_file_id=file_id)["id"] for _ in range(2)]
@@ -318,3 +320,40 @@ def test_inbox_prefix_schedule_concatenates_only_its_own_projects_objects(
     assert sorted(line["custom_id"] for line in output) == ["inbox-a", "inbox-b"]
     for schedule_id in (schedule["id"], empty["id"]):
         project.http.delete(f"/schedules/{schedule_id}")
+
+
+def test_a_rag_schedule_checks_its_options_like_a_rag_job_and_fires_one(
+    new_project: Callable[[str], Project], database: Engine, object_store: ObjectStore, beat_stack: Stack
+) -> None:
+    project = new_project("rag")
+    object_store.put_bytes(inbox_key(project.id, "manuals/pump.md"), b"# Pumps\n\nPrime the pump before starting.\n")
+    template = {**NIGHTLY, "endpoint": RAG_JOBS, "input_prefix": "manuals/", "metadata": {"corpus": "manuals"}}
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"rag_options": {"chunk_tokens": 32, "overlap_tokens": 32}}, "rag_options", "options: "),
+        ({"rag_options": {"embedding_model": "another-model"}}, "rag_options.embedding_model", "embedding model"),
+        ({"rag_options": {"chunk_size": 64}}, "rag_options.chunk_size", "Extra inputs"),
+        ({"endpoint": COMPLETIONS}, "rag_options", f"rag_options needs endpoint '{RAG_JOBS}'"),
+    ]
+    for change, param, message in cases:
+        response = project.create(**{**template, "rag_options": {"chunk_tokens": 64}, **change})
+        assert response.status_code == 400, (change, response.text)
+        error = error_of(response)
+        assert error["param"] == param and message in error["message"], (change, error)
+    assert project.http.get("/schedules").json()["data"] == []
+
+    schedule = project.created(**template, rag_options={"chunk_tokens": 64, "overlap_tokens": 8})
+    options = schedule["rag_options"]  # stored with its defaults filled in, as a RAG job shows them
+    assert schedule["endpoint"] == RAG_JOBS and schedule["input_uri"].endswith(f"inbox/{project.id}/manuals/")
+    assert (options["chunk_tokens"], options["overlap_tokens"], options["contextualize"]) == (64, 8, False)
+    assert options["embedding_model"] == beat_stack.settings.embedding_model
+    assert project.http.get(f"/schedules/{schedule['id']}").json() == schedule
+
+    make_due(database, schedule["id"], datetime.now(timezone.utc).replace(microsecond=0) - timedelta(minutes=1))
+    (run,) = wait_for_runs(project, schedule["id"])
+    job = project.http.get(f"/rag/jobs/{run['batch_id']}").json()  # the run names the RAG job where batches go
+    assert run["error"] is None and job["object"] == "rag.job" and job["options"] == options
+    assert (job["input_prefix"], job["metadata"]) == ("manuals/", {"corpus": "manuals"})
+    listing = project.http.get(f"/files/{job['input_file_id']}/content").text
+    assert [json.loads(line)["id"] for line in listing.splitlines()] == ["pump.md"]
+    assert list(project.sdk.batches.list()) == []  # a RAG job, not a batch
+    project.http.delete(f"/schedules/{schedule['id']}")

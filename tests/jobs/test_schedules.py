@@ -12,16 +12,18 @@ from zoneinfo import ZoneInfo
 import pytest
 from sqlalchemy import select, update
 
+from engine.model_registry import DEFAULT_EMBEDDING_MODEL
+from jobs.batches import RAG_ENDPOINT, check_input_prefix
 from jobs.db import SessionFactory, make_engine, make_session_factory
 from jobs.errors import ServiceError
 from jobs.files import record_file
 from jobs.keys import create_key_in_database
-from jobs.models import Batch, FilePurpose, Schedule, ScheduleFire, new_id
-from jobs.object_keys import file_key
+from jobs.models import Batch, File, FilePurpose, Schedule, ScheduleFire, new_id
+from jobs.object_keys import file_key, inbox_key
+from jobs.rag.processing import RagOptions
 from jobs.schedules import (
     Fire,
     ScheduleSpec,
-    check_input_prefix,
     create_schedule,
     fire_due_schedules,
     list_runs,
@@ -33,6 +35,7 @@ from jobs.storage import ObjectStore
 
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")
+EMBEDDING_MODEL = DEFAULT_EMBEDDING_MODEL  # the service's, as Settings.embedding_model gives it
 
 
 def utc(*parts: int) -> datetime:
@@ -138,8 +141,19 @@ def _input_file(sessions: SessionFactory, store: ObjectStore, project_id: str) -
     return file_id
 
 
+def _new_project(database_url: str) -> str:
+    return create_key_in_database(database_url, f"schedules-{new_id('')}").project_id
+
+
+def _create_due(sessions: SessionFactory, project_id: str, spec: ScheduleSpec, due_at: datetime) -> str:
+    with sessions.begin() as session:
+        schedule_id = create_schedule(session, project_id, spec, embedding_model=EMBEDDING_MODEL).id
+        session.execute(update(Schedule).where(Schedule.id == schedule_id).values(next_fire_at=due_at))
+    return schedule_id
+
+
 def _due_schedule(sessions: SessionFactory, store: ObjectStore, database_url: str, cron: str, due_at: datetime) -> str:
-    project_id = create_key_in_database(database_url, f"schedules-{new_id('')}").project_id
+    project_id = _new_project(database_url)
     spec = ScheduleSpec(
         cron=cron,
         timezone="UTC",
@@ -151,10 +165,7 @@ def _due_schedule(sessions: SessionFactory, store: ObjectStore, database_url: st
         priority=3,
         webhook_endpoint_id=None,
     )
-    with sessions.begin() as session:
-        schedule_id = create_schedule(session, project_id, spec).id
-        session.execute(update(Schedule).where(Schedule.id == schedule_id).values(next_fire_at=due_at))
-    return schedule_id
+    return _create_due(sessions, project_id, spec, due_at)
 
 
 def _batches_of(sessions: SessionFactory, schedule_id: str) -> list[Batch]:
@@ -175,7 +186,9 @@ def test_racing_sweeps_fire_a_due_schedule_exactly_once(
 
     def sweep() -> None:
         start.wait()
-        results.append(fire_due_schedules(sessions, object_store, enqueued.append, now=now))
+        results.append(
+            fire_due_schedules(sessions, object_store, enqueued.append, embedding_model=EMBEDDING_MODEL, now=now)
+        )
 
     threads = [threading.Thread(target=sweep) for _ in range(8)]
     for thread in threads:
@@ -202,11 +215,11 @@ def test_a_fire_time_recorded_once_never_fires_again(
     now = datetime.now(UTC)
     due_at = now.replace(second=0, microsecond=0) - timedelta(minutes=5)
     schedule_id = _due_schedule(sessions, object_store, database_url, "0 3 * * *", due_at)
-    (first,) = [fire for fire in fire_due_schedules(sessions, object_store, lambda _: None, now=now)
-                if fire.schedule_id == schedule_id]
+    fired_now = fire_due_schedules(sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, now=now)
+    (first,) = [fire for fire in fired_now if fire.schedule_id == schedule_id]
     with sessions.begin() as session:
         session.execute(update(Schedule).where(Schedule.id == schedule_id).values(next_fire_at=due_at))
-    again = fire_due_schedules(sessions, object_store, lambda _: None, now=now)
+    again = fire_due_schedules(sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, now=now)
     assert [fire for fire in again if fire.schedule_id == schedule_id] == []
     assert len(_batches_of(sessions, schedule_id)) == 1 and first.batch_id is not None
     with sessions() as session:
@@ -220,7 +233,7 @@ def test_a_schedule_found_a_day_late_fires_once_then_resumes_from_now(
     missed_since = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=24)
     schedule_id = _due_schedule(sessions, object_store, database_url, "0 * * * *", missed_since)
     for _ in range(3):  # later sweeps of the same moment find nothing more to do
-        fire_due_schedules(sessions, object_store, lambda _: None, now=now)
+        fire_due_schedules(sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, now=now)
     with sessions() as session:
         fired = session.scalars(select(ScheduleFire).where(ScheduleFire.schedule_id == schedule_id)).all()
         next_fire_at = session.scalar(select(Schedule.next_fire_at).where(Schedule.id == schedule_id))
@@ -235,7 +248,10 @@ def test_runs_are_listed_newest_first_a_page_at_a_time(
     start = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=10)
     schedule_id = _due_schedule(sessions, object_store, database_url, "* * * * *", start)
     for minute in range(3):  # sweeps a minute apart, each finding the next minute due
-        fire_due_schedules(sessions, object_store, lambda _: None, now=start + timedelta(minutes=minute, seconds=5))
+        fire_due_schedules(
+            sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL,
+            now=start + timedelta(minutes=minute, seconds=5),
+        )
     with sessions() as session:
         project_id = session.scalar(select(Schedule.project_id).where(Schedule.id == schedule_id))
         first = list_runs(session, project_id, schedule_id, after=None, limit=2)
@@ -246,3 +262,56 @@ def test_runs_are_listed_newest_first_a_page_at_a_time(
     assert [row.fire_time for row in first.rows] == expected[:2] and first.has_more
     assert [row.fire_time for row in rest.rows] == expected[2:] and not rest.has_more
     assert stranger.value.kind == "not_found"
+
+
+def test_racing_sweeps_fire_a_due_rag_schedule_into_exactly_one_rag_job(
+    sessions: SessionFactory, object_store: ObjectStore, database_url: str
+) -> None:
+    project_id = _new_project(database_url)
+    for name in ("manuals/b.txt", "manuals/a.md"):
+        object_store.put_bytes(inbox_key(project_id, name), b"# Pumps\n\nPrime the pump before starting it.\n")
+    spec = ScheduleSpec(
+        cron="0 2 * * *",
+        timezone="UTC",
+        endpoint=RAG_ENDPOINT,
+        completion_window="24h",
+        input_file_id=None,
+        input_prefix="manuals/",
+        metadata={"corpus": "manuals"},
+        priority=4,
+        webhook_endpoint_id=None,
+        rag_options={"chunk_tokens": 64, "contextualize": True},
+    )
+    now = datetime.now(UTC).replace(microsecond=0)
+    due_at = now - timedelta(hours=1)
+    schedule_id = _create_due(sessions, project_id, spec, due_at)
+    enqueued: list[str] = []
+    results: list[list[Fire]] = []
+    start = threading.Barrier(2)
+
+    def sweep() -> None:
+        start.wait()
+        results.append(
+            fire_due_schedules(sessions, object_store, enqueued.append, embedding_model=EMBEDDING_MODEL, now=now)
+        )
+
+    threads = [threading.Thread(target=sweep) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    ours = [fire for result in results for fire in result if fire.schedule_id == schedule_id]
+    assert len(ours) == 1 and ours[0].fire_time == due_at and ours[0].error is None
+    (job,) = _batches_of(sessions, schedule_id)
+    assert ours[0].batch_id == job.id and job.id.startswith("ragjob_") and enqueued.count(job.id) == 1
+    expected_options = RagOptions(chunk_tokens=64, contextualize=True, embedding_model=EMBEDDING_MODEL).to_json()
+    assert (job.endpoint, job.rag_options, job.input_prefix) == (RAG_ENDPOINT, expected_options, "manuals/")
+    assert (job.priority, job.batch_metadata, job.status.value) == (4, {"corpus": "manuals"}, "validating")
+    with sessions() as session:
+        listing = session.get(File, job.input_file_id)
+        fired = session.scalars(select(ScheduleFire).where(ScheduleFire.schedule_id == schedule_id)).all()
+    assert [(row.fire_time, row.batch_id, row.error) for row in fired] == [(due_at, job.id, None)]
+    assert listing is not None and listing.project_id == project_id
+    documents = [json.loads(line) for line in object_store.read_bytes(listing.object_key).splitlines()]
+    assert [document["id"] for document in documents] == ["a.md", "b.txt"]  # the prefix listed in key order
