@@ -67,11 +67,33 @@ def wait_for_progress(client: openai.OpenAI, batch_id: str, completed: int, time
         time.sleep(0.2)
 
 
+def worker_log_size(stack: Stack) -> int:
+    assert stack.worker is not None
+    return stack.worker.log_path.stat().st_size
+
+
+def wait_for_chunks_taken(stack: Stack, log_start: int, count: int, timeout_s: float = 120.0) -> None:
+    """Until the worker has taken `count` run_chunk tasks since `log_start` (Celery logs each as it takes it)."""
+    assert stack.worker is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with stack.worker.log_path.open("rb") as log:
+            log.seek(log_start)
+            taken = sum(1 for line in log if b"conveyor.run_chunk[" in line and b"] received" in line)
+        if taken >= count:
+            return
+        assert time.monotonic() < deadline, f"the worker took {taken} of {count} chunks"
+        time.sleep(0.2)
+
+
 def test_cancel_aborts_running_requests_and_keeps_finished_ones(busy_stack: Stack) -> None:
     client = client_for(busy_stack, busy_stack.new_key("cancel-project"))
     data, ids = counting_requests("cancel", 64, max_tokens=400, short_first=16)
+    log_start = worker_log_size(busy_stack)
     batch_id = start_batch(client, "cancel", data)
     wait_for_progress(client, batch_id, completed=1)
+    # All four chunks taken by worker threads (none merely queued), so there are requests in the engine to abort.
+    wait_for_chunks_taken(busy_stack, log_start, count=4)
 
     cancelling = client.batches.cancel(batch_id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
