@@ -347,7 +347,9 @@ class Pipeline:
             if batch.status == BatchStatus.in_progress:
                 self._complete_chunk(batch, chunk)
             else:  # cancelling, or finalizing early because it expired: chunks not yet started never will
-                self._finish_chunk(batch_id, index, ChunkStatus.skipped, 0, 0)
+                # Not this chunk unconditionally: this may be a re-delivery of a chunk another thread is running
+                # (its lease says so), whose finished results must still be kept.
+                self._skip_unstarted_chunks(batch_id)
         self._maybe_finalize(batch_id)
 
     def _complete_chunk(self, batch: Batch, chunk: Chunk) -> None:
