@@ -180,23 +180,7 @@ def test_racing_sweeps_fire_a_due_schedule_exactly_once(
     now = datetime.now(UTC).replace(microsecond=0)
     due_at = now.replace(second=0) - timedelta(minutes=1)
     schedule_id = _due_schedule(sessions, object_store, database_url, "* * * * *", due_at)
-    enqueued: list[str] = []
-    results: list[list[Fire]] = []
-    start = threading.Barrier(8)
-
-    def sweep() -> None:
-        start.wait()
-        results.append(
-            fire_due_schedules(sessions, object_store, enqueued.append, embedding_model=EMBEDDING_MODEL, now=now)
-        )
-
-    threads = [threading.Thread(target=sweep) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-
-    ours = [fire for result in results for fire in result if fire.schedule_id == schedule_id]
+    ours, enqueued = _sweep_at_once(sessions, object_store, schedule_id, now, sweeps=8)
     assert len(ours) == 1 and ours[0].fire_time == due_at and ours[0].error is None
     (batch,) = _batches_of(sessions, schedule_id)
     assert ours[0].batch_id == batch.id and batch.id in enqueued
@@ -285,23 +269,7 @@ def test_racing_sweeps_fire_a_due_rag_schedule_into_exactly_one_rag_job(
     now = datetime.now(UTC).replace(microsecond=0)
     due_at = now - timedelta(hours=1)
     schedule_id = _create_due(sessions, project_id, spec, due_at)
-    enqueued: list[str] = []
-    results: list[list[Fire]] = []
-    start = threading.Barrier(2)
-
-    def sweep() -> None:
-        start.wait()
-        results.append(
-            fire_due_schedules(sessions, object_store, enqueued.append, embedding_model=EMBEDDING_MODEL, now=now)
-        )
-
-    threads = [threading.Thread(target=sweep) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-
-    ours = [fire for result in results for fire in result if fire.schedule_id == schedule_id]
+    ours, enqueued = _sweep_at_once(sessions, object_store, schedule_id, now, sweeps=2)
     assert len(ours) == 1 and ours[0].fire_time == due_at and ours[0].error is None
     (job,) = _batches_of(sessions, schedule_id)
     assert ours[0].batch_id == job.id and job.id.startswith("ragjob_") and enqueued.count(job.id) == 1
@@ -315,3 +283,26 @@ def test_racing_sweeps_fire_a_due_rag_schedule_into_exactly_one_rag_job(
     assert listing is not None and listing.project_id == project_id
     documents = [json.loads(line) for line in object_store.read_bytes(listing.object_key).splitlines()]
     assert [document["id"] for document in documents] == ["a.md", "b.txt"]  # the prefix listed in key order
+
+
+def _sweep_at_once(
+    sessions: SessionFactory, object_store: ObjectStore, schedule_id: str, now: datetime, sweeps: int
+) -> tuple[list[Fire], list[str]]:
+    """`sweeps` threads run fire_due_schedules at the same instant; returns this schedule's fires and the
+    batch ids they enqueued."""
+    enqueued: list[str] = []
+    results: list[list[Fire]] = []
+    start = threading.Barrier(sweeps)
+
+    def sweep() -> None:
+        start.wait()
+        results.append(
+            fire_due_schedules(sessions, object_store, enqueued.append, embedding_model=EMBEDDING_MODEL, now=now)
+        )
+
+    threads = [threading.Thread(target=sweep) for _ in range(sweeps)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [fire for result in results for fire in result if fire.schedule_id == schedule_id], enqueued
