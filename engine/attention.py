@@ -2,7 +2,7 @@
 
 The model computes q/k/v; a backend writes the new k/v into the paged cache and attends through
 the block tables. The torch backend is the CPU path and the reference the Triton kernels are
-tested against.
+tested against; the Triton backend is the CUDA path.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from typing import Protocol
 
 import torch
 
-from kernels.kv_cache_write import write_kv_cache_reference
+from kernels.decode_attention import decode_attention
+from kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
 from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention, run_paged_attention
+from kernels.prefill_attention import prefill_attention
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,10 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [B + 1] host copy: sequence i owns query rows [qsl[i], qsl[i+1])
     seq_lens: list[int]  # [B] host copy: context length after this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32 on the device, padded with 0
-    slot_mapping: torch.Tensor  # [T] int64 on the device: cache slot of each new token
+    slot_mapping: torch.Tensor  # [T] int64 on the device: cache slot of each new token, -1 = none
+    query_start_loc_tensor: torch.Tensor  # [B + 1] int32 on the device
+    seq_lens_tensor: torch.Tensor  # [B] int32 on the device; 0 marks a padding row (CUDA graphs)
+    max_query_len: int  # new tokens of the longest chunk; 1 = a decode-only step
 
 
 class AttentionBackend(Protocol):
@@ -71,3 +76,38 @@ class TorchAttention:
         write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)
         return run_paged_attention(query, k_cache, v_cache, self._plan, scale, new_key=key, new_value=value)
 
+
+
+class TritonAttention:
+    """The CUDA path: new K/V go to their slots, then one launch attends for the whole batch. A
+    decode-only step uses the split-KV decode kernel; a step with prefill chunks uses the varlen
+    prefill kernel for every row, decode rows included. Launch shapes depend only on host-known
+    sizes, never on device values, so a decode step can be captured in a CUDA graph."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if metadata.max_query_len == 1:
+            return decode_attention(
+                query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens_tensor, scale, out=out
+            )
+        return prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            metadata.query_start_loc_tensor,
+            metadata.seq_lens_tensor,
+            metadata.block_tables,
+            scale,
+            metadata.max_query_len,
+            out=out,
+        )

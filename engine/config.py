@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 
 PreemptionMode = Literal["recompute", "swap"]
+KernelBackendChoice = Literal["auto", "torch", "triton"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds requests that do not carry their own seed
     cpu_kernels: bool = True  # on CPU, C++ decode attention and RMSNorm where they build; False: torch only
+    kernel_backend: KernelBackendChoice = "auto"  # "auto": Triton on CUDA, torch on CPU; or "torch" / "triton" to force one
+    cuda_graph_max_batch_size: int = 256  # decode steps of up to this many sequences replay CUDA graphs; 0: eager
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -100,6 +103,10 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.swap_space < 0 or self.max_swap_blocks_per_step < 0:
             raise ValueError("swap_space and max_swap_blocks_per_step must be >= 0")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
+        if self.cuda_graph_max_batch_size < 0:
+            raise ValueError("cuda_graph_max_batch_size must be >= 0")
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
 

@@ -1,8 +1,14 @@
-"""Which device and floating-point type the engine computes in."""
+"""Which device, floating-point type and kernels the engine computes with."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+
+from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+
+KernelBackend = Literal["torch", "triton"]
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -28,3 +34,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """None picks the GPU where there is one, else the CPU."""
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def resolve_kernel_backend(choice: Literal["auto", "torch", "triton"], device: torch.device) -> KernelBackend:
+    """'auto' picks Triton on CUDA (when it is installed) and torch elsewhere. Triton on the CPU
+    runs only under its interpreter (TRITON_INTERPRET=1), which is for tests: it is very slow."""
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and TRITON_AVAILABLE else "torch"
+    if choice == "torch":
+        return "torch"
+    if not TRITON_AVAILABLE:
+        raise ValueError("kernel_backend='triton' needs Triton: pip install 'conveyor[triton]'")
+    if device.type == "cpu" and not interpreter_enabled():
+        raise ValueError("kernel_backend='triton' on the CPU needs TRITON_INTERPRET=1 (tests only)")
+    return "triton"

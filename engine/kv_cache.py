@@ -14,15 +14,27 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * element_size
 
 
+def activation_bytes(model: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
+    """An upper bound on the largest step's activations, which the KV cache must leave free on
+    CUDA: per token the fused qkv output, the gate/up output and its activation, and a few hidden-
+    size temporaries; plus float32 logits of every sequence, of which the sampler keeps a few copies."""
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
+    per_token = qkv + 3 * model.intermediate_size + 4 * model.hidden_size
+    logits = 4 * config.max_num_seqs * model.vocab_size * 4
+    return config.max_num_batched_tokens * per_token * element_size + logits
+
+
 def num_kv_blocks(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
     """Blocks that fit the budget: `kv_cache_memory` bytes on CPU; on CUDA, what is left of
-    `gpu_memory_utilization` x total memory after the weights (and whatever else is resident)."""
+    `gpu_memory_utilization` x total memory after the weights (and whatever else is resident) and
+    the largest step's activations."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        budget = int(total * config.gpu_memory_utilization) - used
+        budget = int(total * config.gpu_memory_utilization) - used - activation_bytes(model, config, dtype)
     else:
         budget = config.kv_cache_memory
     blocks = budget // bytes_per_block(model, config.block_size, dtype)

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import TorchAttention
+from engine.attention import TorchAttention, TritonAttention
 from engine.beam_search import Beam, BeamSearchState, NextBeam, beam_search_step, best_hypotheses
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.dtypes import cpu_has_fast_bf16, resolve_device, resolve_dtype
+from engine.cuda_graphs import DecodeGraphs
+from engine.dtypes import cpu_has_fast_bf16, resolve_device, resolve_dtype, resolve_kernel_backend
 from engine.detokenizer import IncrementalDetokenizer, decode_complete
 from engine.kv_cache import allocate_host_kv_cache, allocate_kv_cache, bytes_per_block, num_host_blocks, num_kv_blocks
 from engine.loader import init_dummy_weights, iter_safetensors
@@ -87,6 +88,7 @@ class LLMEngine:
         self.config = EngineConfig(**engine_options)  # type: ignore[arg-type]
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kernel_backend = resolve_kernel_backend(self.config.kernel_backend, self.device)
 
         source = resolve_model(model, load_format)
         self.model_name = source.name
@@ -106,12 +108,20 @@ class LLMEngine:
         host_caches = allocate_host_kv_cache(self.model_config, num_host, block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, block_size, num_host, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.model, kv_caches, host_caches, block_size, self.device)
         self._bytes_per_block = bytes_per_block(self.model_config, block_size, self.dtype)
         self.max_model_len = min(
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
             num_blocks * self.config.block_size,
+        )
+        graph_batch = min(config.cuda_graph_max_batch_size, config.max_num_seqs)
+        decode_graphs = None
+        if self.device.type == "cuda" and self.kernel_backend == "triton" and graph_batch > 0:
+            decode_graphs = DecodeGraphs(
+                self.model, kv_caches, graph_batch, -(-self.max_model_len // block_size), self.device
+            )
+        self.runner = ModelRunner(
+            self.model, kv_caches, host_caches, block_size, self.device, self.kernel_backend, decode_graphs
         )
 
         self._requests: dict[str, _Request] = {}
@@ -123,11 +133,18 @@ class LLMEngine:
         self.counters = StepCounters()
 
     def _build_model(self, load_format: str, path: Path | None) -> LlamaForCausalLM:
-        use_cpu_kernels = self.config.cpu_kernels and self.device.type == "cpu" and load_cpu_kernels() is not None
+        use_cpu_kernels = (
+            self.kernel_backend == "torch"
+            and self.config.cpu_kernels
+            and self.device.type == "cpu"
+            and load_cpu_kernels() is not None
+        )
+        if self.kernel_backend == "triton":
+            backend, kernels = TritonAttention(), "triton"
+        else:
+            backend, kernels = TorchAttention(use_decode_kernel=use_cpu_kernels), "cpu" if use_cpu_kernels else "torch"
         with torch.device(self.device):
-            model = LlamaForCausalLM(
-                self.model_config, TorchAttention(use_decode_kernel=use_cpu_kernels), use_cpu_kernels
-            ).to(self.dtype)
+            model = LlamaForCausalLM(self.model_config, backend, kernels).to(self.dtype)
         if load_format == "dummy":
             init_dummy_weights(model, seed=self.config.seed)
         else:

@@ -1,5 +1,5 @@
 """Turns a scheduler output into flat tensors, moves the step's KV blocks, runs the model over the
-paged cache, and samples."""
+paged cache (a decode step on CUDA by replaying a CUDA graph), and samples."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from collections.abc import Sequence
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
+from engine.dtypes import KernelBackend
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
+from engine.transfer import to_device
 from kernels.block_copy import copy_blocks, copy_blocks_reference, swap_blocks, swap_blocks_reference
-from kernels.triton_utils import TRITON_AVAILABLE
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -26,6 +28,8 @@ class ModelRunner:
         host_kv_caches: KVCaches,
         block_size: int,
         device: torch.device,
+        kernel_backend: KernelBackend,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -33,10 +37,22 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        on_gpu = device.type == "cuda" and TRITON_AVAILABLE
-        self._copy_blocks = copy_blocks if on_gpu else copy_blocks_reference
-        self._swap_blocks = swap_blocks if on_gpu else swap_blocks_reference
-        self.swap_seconds = 0.0  # wall time spent moving blocks between the pools
+        use_triton = kernel_backend == "triton"
+        self._copy_blocks = copy_blocks if use_triton else copy_blocks_reference
+        self._swap_blocks = swap_blocks if use_triton else swap_blocks_reference
+        self.decode_graphs = decode_graphs
+        self._swap_seconds = 0.0
+        self._pending_swap_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def swap_seconds(self) -> float:
+        """Time spent moving blocks between the pools. On CUDA the moves are timed by events,
+        read here (outside any step) so that a step never waits for them."""
+        for start, end in self._pending_swap_timings:
+            end.synchronize()
+            self._swap_seconds += start.elapsed_time(end) / 1000
+        self._pending_swap_timings.clear()
+        return self._swap_seconds
 
     @torch.inference_mode()
     def execute(
@@ -50,17 +66,25 @@ class ModelRunner:
         if not output.scheduled:
             return None
         input_ids, positions, metadata, logits_indices = self._prepare(output)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(metadata):
+            hidden = self.decode_graphs.run(input_ids, positions, metadata)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         if not rows:
             return None
         logits = self.model.compute_logits(hidden[logits_indices])
         if fanout is not None and any(count != 1 for count in fanout):
-            logits = logits.repeat_interleave(torch.tensor(fanout, device=logits.device), dim=0)
+            repeats = to_device(fanout, torch.int64, logits.device)
+            logits = logits.repeat_interleave(repeats, dim=0, output_size=sum(fanout))  # no sync for the size
         return self.sampler(logits, rows)
 
     def _move_blocks(self, output: SchedulerOutput) -> None:
         """Swap-outs first: the blocks they vacate may be written by this very step."""
         if output.blocks_to_swap_out or output.blocks_to_swap_in:
+            on_gpu = self.device.type == "cuda"
+            if on_gpu:
+                start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start_event.record()
             started = time.perf_counter()
             for pairs, source, target in (
                 (output.blocks_to_swap_out, self.kv_caches, self.host_kv_caches),
@@ -71,11 +95,13 @@ class ModelRunner:
                     for (src_k, src_v), (dst_k, dst_v) in zip(source, target):
                         self._swap_blocks(src_k, dst_k, index)
                         self._swap_blocks(src_v, dst_v, index)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.swap_seconds += time.perf_counter() - started
+            if on_gpu:
+                end_event.record()
+                self._pending_swap_timings.append((start_event, end_event))
+            else:
+                self._swap_seconds += time.perf_counter() - started
         if output.blocks_to_copy:
-            index = torch.tensor(output.blocks_to_copy, dtype=torch.int64, device=self.device)
+            index = to_device(output.blocks_to_copy, torch.int64, self.device)
             self._copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], index)
 
     def _prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -100,19 +126,18 @@ class ModelRunner:
         max_blocks = max(len(item.block_table) for item in output.scheduled)
         tables = [list(item.block_table) + [0] * (max_blocks - len(item.block_table)) for item in output.scheduled]
         device = self.device
-
-        def as_tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
         metadata = AttentionMetadata(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=as_tensor(tables, torch.int32),
-            slot_mapping=as_tensor(slots, torch.int64),
+            block_tables=to_device(tables, torch.int32, device),
+            slot_mapping=to_device(slots, torch.int64, device),
+            query_start_loc_tensor=to_device(query_start_loc, torch.int32, device),
+            seq_lens_tensor=to_device(seq_lens, torch.int32, device),
+            max_query_len=max(item.num_new_tokens for item in output.scheduled),
         )
         return (
-            as_tensor(token_ids, torch.int64),
-            as_tensor(positions, torch.int64),
+            to_device(token_ids, torch.int64, device),
+            to_device(positions, torch.int64, device),
             metadata,
-            as_tensor(logits_indices, torch.int64),
+            to_device(logits_indices, torch.int64, device),
         )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.transfer import tensor_to_device, to_device
 
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 _GOLDEN_GAMMA = 0x9E37_79B9_7F4A_7C15  # SplitMix64's stream increment
@@ -119,13 +120,13 @@ def _coordinates(
     lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.int64)
     row_index = torch.repeat_interleave(torch.tensor(row_indices, dtype=torch.int64), lengths)
     token_index = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
-    return row_index.to(device), token_index.to(device)
+    return tensor_to_device(row_index, device), tensor_to_device(token_index, device)
 
 
 def _row_values(
     rows: Sequence[SamplingRow], value: Callable[[SamplingParams], float], device: torch.device
 ) -> torch.Tensor:
-    return torch.tensor([value(row.params) for row in rows], dtype=torch.float32, device=device)
+    return to_device([value(row.params) for row in rows], torch.float32, device)
 
 
 def _pick_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -136,7 +137,7 @@ def _pick_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Ten
         return _sample(logits, rows)
     # argmax over the whole batch is cheaper than gathering the greedy rows out first.
     token_ids = _argmax(logits)
-    index = torch.tensor(sampled_rows, dtype=torch.int64, device=logits.device)
+    index = to_device(sampled_rows, torch.int64, logits.device)
     token_ids[index] = _sample(logits[index], [rows[i] for i in sampled_rows])
     return token_ids
 
@@ -158,9 +159,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     top_k = [row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size for row in rows]
     top_p = [row.params.top_p for row in rows]
     min_p = _row_values(rows, lambda p: p.min_p, device)[:, None]
-    uniform = torch.tensor(
-        [_uniform(row.seed, len(row.output_token_ids)) for row in rows], dtype=torch.float32, device=device
-    )
+    uniform = to_device([_uniform(row.seed, len(row.output_token_ids)) for row in rows], torch.float32, device)
 
     if all(k == vocab_size for k in top_k) and all(p == 1.0 for p in top_p):
         weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()
@@ -195,9 +194,9 @@ def _top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     """
     vocab_size = scaled.shape[-1]
     device = scaled.device
-    k_tensor = torch.tensor(top_k, dtype=torch.int64, device=device)
+    k_tensor = to_device(top_k, torch.int64, device)
     has_top_k = k_tensor < vocab_size
-    p_tensor = torch.tensor([p if p < 1.0 else math.inf for p in top_p], dtype=torch.float32, device=device)
+    p_tensor = to_device([p if p < 1.0 else math.inf for p in top_p], torch.float32, device)
     # Rows without top-k measure top-p against the whole vocabulary's weight, so a partial candidate list
     # still gives exact top-p, and the result does not depend on how many candidates the batch fetched.
     vocab_mass = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -18,25 +20,36 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from kernels import cpu_kernels
+from kernels.activation import silu_and_mul
+from kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from kernels.rotary import apply_rotary as apply_rotary_in_place
+
+# Which kernels the layers use: plain torch, the C++ CPU kernels, or Triton (the CUDA path).
+LayerKernels = Literal["torch", "cpu", "triton"]
 
 
 class RMSNorm(nn.Module):
     """RMSNorm with float32 statistics, optionally fused with the residual add that precedes it.
-    With `use_cpu_kernel`, contiguous inputs go through the one-pass C++ kernel (which updates the
-    residual in place); otherwise torch's rms_norm."""
+    The C++ CPU kernel and the Triton kernel do both in one pass over contiguous inputs, updating
+    the residual in place; otherwise torch's rms_norm."""
 
-    def __init__(self, size: int, eps: float, use_cpu_kernel: bool = False) -> None:
+    def __init__(self, size: int, eps: float, kernels: LayerKernels = "torch") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.use_cpu_kernel = use_cpu_kernel
+        self.kernels = kernels
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, residual for the next layer) where the new residual is x + residual."""
-        if self.use_cpu_kernel and x.is_contiguous():
+        if self.kernels == "cpu" and x.is_contiguous():
             return cpu_kernels.rms_norm(x, residual, self.weight, self.eps), (x if residual is None else residual)
+        if self.kernels == "triton" and x.is_contiguous():
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps), x
+            # x is this layer's fresh output, free to be overwritten by its normed self.
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, out=x, residual_out=residual)
         if residual is not None:
             x = x + residual
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
@@ -84,25 +97,48 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (first half of head_dim rotates with the second half). The
-    float32 cos/sin tables are indexed once per step; every layer reuses the result."""
+@dataclass(frozen=True)
+class RopeStep:
+    """One step's rotary inputs, prepared once and used by every layer. The torch path indexes the
+    tables once per step (cos/sin rounded to the activations' dtype, as HF does); the Triton kernel
+    reads the float32 tables by position itself."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    positions: torch.Tensor  # [T]
+    cos_table: torch.Tensor  # [max_position, head_dim / 2] float32
+    sin_table: torch.Tensor
+    cos: torch.Tensor | None  # [T, 1, head_dim / 2] for the torch path; None on the Triton path
+    sin: torch.Tensor | None
+
+    def rotate(self, qk: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates q and k, given side by side as one [T, heads + kv_heads, head_dim] tensor."""
+        if self.cos is None or self.sin is None:
+            q, k = qk.split([num_heads, qk.shape[1] - num_heads], dim=1)
+            apply_rotary_in_place(q, k, self.positions, self.cos_table, self.sin_table)
+            return q, k
+        x1, x2 = qk.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1)
+        q, k = rotated.split([num_heads, qk.shape[1] - num_heads], dim=1)
+        return q, k
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (first half of head_dim rotates with the second half), from
+    float32 cos/sin tables over every position."""
+
+    def __init__(self, config: ModelConfig, use_triton: bool) -> None:
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inverse_frequencies(config))
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.use_triton = use_triton
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [T, 1, head_dim / 2] in the activations' dtype, as HF rounds them."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)  # x: [T, heads, head_dim]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
+        if self.use_triton:
+            return RopeStep(positions, self.cos, self.sin, None, None)
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return RopeStep(positions, self.cos, self.sin, cos, sin)
 
 
 class Attention(nn.Module):
@@ -125,7 +161,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeStep,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
@@ -137,7 +173,7 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads])[0], self.k_norm(qk[:, self.num_heads :])[0]), dim=1)
-        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rope.rotate(qk, self.num_heads)
         out = self.backend(q, k, v, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -148,10 +184,11 @@ _CPU_MLP_SLICE_TOKENS = 2048
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, use_triton: bool) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.shape[0] > _CPU_MLP_SLICE_TOKENS:
@@ -159,23 +196,26 @@ class MLP(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.use_triton:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, use_cpu_kernels: bool) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, kernels: LayerKernels) -> None:
         super().__init__()
         self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_cpu_kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_cpu_kernels)
+        self.mlp = MLP(config, use_triton=kernels == "triton")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeStep,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
@@ -187,21 +227,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, use_cpu_kernels: bool) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, kernels: LayerKernels) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, use_cpu_kernels) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_cpu_kernels)
-        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, kernels) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.rotary = RotaryEmbedding(config, use_triton=kernels == "triton")
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, use_cpu_kernels: bool = False) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, kernels: LayerKernels = "torch") -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, use_cpu_kernels)
+        self.model = LlamaModel(config, backend, kernels)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
