@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +23,9 @@ from bench.common import run_cli
 from engine import LLM, SamplingParams
 from engine.dtypes import resolve_dtype
 from engine.model_registry import DEFAULT_MODEL, resolve_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -54,32 +59,50 @@ def make_workload(
     ]
 
 
-def run_conveyor(llm: LLM, requests: list[BenchRequest]) -> BenchResult:
-    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+def run_conveyor(llm: LLM, requests: list[BenchRequest], after_step: Callable[[], None] | None = None) -> BenchResult:
+    """All requests submitted at once, then the engine stepped until they finish. `after_step` runs after
+    every step, inside the timed loop, for benchmarks that look at each step."""
+    engine = llm.engine
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
-    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    for index, r in enumerate(requests):
+        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(f"bench-{index}", r.prompt_token_ids, params)
+    produced = 0
+    while engine.has_unfinished_requests():
+        produced += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        if after_step is not None:
+            after_step()
     seconds = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == sum(r.output_len for r in requests), "conveyor stopped a request early"
     return BenchResult("conveyor", seconds, produced)
 
 
-def run_hf_static(model_path: str, requests: list[BenchRequest], dtype: torch.dtype, batch_size: int) -> BenchResult:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+def run_hf_static(model: PreTrainedModel, requests: list[BenchRequest], batch_size: int) -> BenchResult:
+    """Static batches on the model's device; only the requested tokens count."""
     model.generation_config.eos_token_id = None  # ignore_eos
     model.generation_config.pad_token_id = 0
+
+    def generate(batch: list[BenchRequest], max_new_tokens: int) -> None:
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        # Left padding, as decoder-only batched generation requires.
+        ids = [[0] * (longest - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch]
+        mask = [[0] * (longest - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch]
+        with torch.inference_mode():
+            model.generate(
+                torch.tensor(ids, device=model.device),
+                attention_mask=torch.tensor(mask, device=model.device),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+            )
+
+    generate(requests[:1], 2)  # warm-up, as conveyor gets
     start = time.perf_counter()
     for first in range(0, len(requests), batch_size):
         batch = requests[first : first + batch_size]
-        longest = max(len(r.prompt_token_ids) for r in batch)
-        # Left padding, as decoder-only batched generation requires.
-        ids = torch.tensor([[0] * (longest - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
-        mask = torch.tensor([[0] * (longest - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(r.output_len for r in batch))
+        generate(batch, max(r.output_len for r in batch))
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     seconds = time.perf_counter() - start
     return BenchResult("hf static generate", seconds, sum(r.output_len for r in requests))
 
@@ -131,7 +154,11 @@ def run(args: argparse.Namespace) -> None:
         return
     model_path = resolve_model(args.model).path
     del llm
-    hf = run_hf_static(str(model_path), requests, resolve_dtype(args.dtype, torch.device(args.device)), args.hf_batch_size)
+    import transformers
+
+    dtype = resolve_dtype(args.dtype, torch.device(args.device))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(args.device).eval()
+    hf = run_hf_static(hf_model, requests, args.hf_batch_size)
     print(format_table([ours, hf], baseline=hf))
 
 

@@ -1,0 +1,508 @@
+"""GPU throughput: conveyor vs Hugging Face transformers' static-batch `generate` and continuous-batching
+`generate_batch`, in one run on one device, and how close decode comes to the memory-bandwidth floor.
+
+Workload (the one nano-vllm's and vLLM's comparisons use): 256 requests, prompt and output lengths
+uniform in 100-1024 tokens, random prompt token ids, ignore_eos, greedy, seed 0; the Qwen3-0.6B and
+Llama-3-8B shapes with random weights (conveyor's load_format="dummy"; HF builds the same config with
+its own random init: with ignore_eos the weights do not change the speed), bfloat16.
+
+- HF static generate: left-padded batches of --hf-batch-size, each run to its longest requested output.
+- HF generate_batch: transformers' continuous batching, driven through the manager that `generate_batch`
+  wraps so that each request gets its own max_new_tokens (`generate_batch` takes one for all).
+- Only the requested tokens count, on every side. HF runs on the first --hf-max-requests requests
+  (default: all; 128 for llama-3-8b); its tok/s, and the ratios, are then over that subset.
+- Bandwidth floor of a decode step (every scheduled sequence computes one token): the bytes it must
+  read (every weight but an untied input embedding, of which it reads only its batch's rows; the K/V
+  of every scheduled context) at the bandwidth of a 1 GiB device-to-device copy (bytes read + written
+  / time). Step times are the engine's own, host work included.
+- Decode attention kernel: kernels.decode_attention over random paged caches with Llama-3-8B's heads
+  at 8k-32k contexts; K/V bytes read / kernel time, against the same copy bandwidth.
+
+    python -m bench.gpu_throughput                       # the full run, on CUDA
+    python -m bench.gpu_throughput --models llama-3-8b   # one shape
+    python -m bench.gpu_throughput --smoke               # tiny shapes on the CPU, end to end in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bench.common import markdown_table, run_cli
+from bench.throughput import BenchRequest, BenchResult, make_workload, run_conveyor, run_hf_static
+from engine import LLM
+from engine.config import ModelConfig
+from engine.dtypes import resolve_dtype
+from engine.kv_cache import bytes_per_block
+from engine.llm_engine import LLMEngine
+from engine.model_registry import DUMMY_SHAPES, resolve_model
+from engine.scheduler import SchedulerOutput
+from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+MODELS = ("qwen3-0.6b", "llama-3-8b")
+# Chosen by estimate, not yet measured: an HF static batch of 64 runs ~1,000 eager decode steps of 25-40 ms
+# on Llama-3-8B, so two batches keep each of its HF runs to a minute or two, and the whole command to about
+# ten minutes on an H100.
+HF_MAX_REQUESTS = {"llama-3-8b": 128}
+# Options left off the command line; --smoke swaps in tiny shapes on the CPU.
+FULL_DEFAULTS: dict[str, Any] = {
+    "device": "cuda", "num_requests": 256, "prompt_len": [100, 1024], "output_len": [100, 1024], "hf_batch_size": 64,
+}
+SMOKE_DEFAULTS: dict[str, Any] = {
+    "device": "cpu", "num_requests": 8, "prompt_len": [8, 48], "output_len": [4, 24], "hf_batch_size": 4,
+    "hf_max_requests": 6,
+}
+SMOKE_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny-qwen3": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1024, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 512,
+        "tie_word_embeddings": True, "eos_token_id": 2,
+    },
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "tie_word_embeddings": False, "eos_token_id": 2,
+    },
+}
+STEP_TARGET_MODEL = "llama-3-8b"
+STEP_TARGET_BATCH = 128
+RATIO_TARGETS = {"hf static generate": 5.0, "hf generate_batch": 3.0}  # conveyor tok/s over each HF side's
+STEP_TARGET = 1 / 1.5  # floor / step time: the step within 1.5x of the floor
+KERNEL_TARGET = 0.70  # of the copy bandwidth
+KERNEL_GRID = ((1, 4, 16), (8192, 16384, 32768))  # batches, contexts
+SMOKE_KERNEL_GRID = ((1, 2), (64, 128))
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    batch: int
+    seconds: float
+    floor_seconds: float  # the bytes the step must read, at the copy bandwidth
+
+    @property
+    def floor_fraction(self) -> float:
+        return self.floor_seconds / self.seconds
+
+
+@dataclass(frozen=True)
+class ModelReport:
+    label: str
+    num_requests: int
+    hf_requests: int
+    results: list[BenchResult]  # conveyor first
+    decode_steps: list[DecodeStep]
+
+    def ratio(self, hf_name: str) -> float:
+        conveyor, hf = self.results[0], next(r for r in self.results if r.name == hf_name)
+        return conveyor.tokens_per_second / hf.tokens_per_second
+
+
+@dataclass(frozen=True)
+class KernelRun:
+    batch: int
+    context: int
+    seconds: float
+    bytes_read: int  # K and V of every context
+
+    def fraction(self, bandwidth: float) -> float:
+        return self.bytes_read / self.seconds / bandwidth
+
+
+class DecodeStepRecorder:
+    """Times the engine's decode-only steps against their bandwidth floor. The engine's counters give a
+    step's time and batch but not its context lengths, so the scheduler's `schedule` is wrapped to keep
+    the step's plan."""
+
+    def __init__(self, engine: LLMEngine, bandwidth: float) -> None:
+        config = engine.model_config
+        element_size = torch.tensor([], dtype=engine.dtype).element_size()
+        weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        if not config.tie_word_embeddings:  # an untied input embedding is read a row per sequence, not whole
+            weights -= config.vocab_size * config.hidden_size * element_size
+        self.weight_bytes = weights
+        self.kv_bytes_per_token = bytes_per_block(config, 1, engine.dtype)
+        self.bandwidth = bandwidth
+        self.steps: list[DecodeStep] = []
+        self._engine = engine
+        self._schedule = engine.scheduler.schedule
+        self._last: SchedulerOutput | None = None
+        engine.scheduler.schedule = self._record  # type: ignore[method-assign]
+
+    def _record(self) -> SchedulerOutput:
+        self._last = self._schedule()
+        return self._last
+
+    def after_step(self) -> None:
+        out, self._last = self._last, None
+        # Steps that move blocks to or from the host pool spend part of their time on PCIe.
+        if out is None or not out.scheduled or out.blocks_to_swap_out or out.blocks_to_swap_in:
+            return
+        if any(item.num_new_tokens != 1 for item in out.scheduled):
+            return
+        context_tokens = sum(item.start_position + 1 for item in out.scheduled)
+        floor_bytes = self.weight_bytes + context_tokens * self.kv_bytes_per_token
+        self.steps.append(
+            DecodeStep(len(out.scheduled), self._engine.counters.last_step_seconds, floor_bytes / self.bandwidth)
+        )
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Median time of one call. On CUDA from CUDA events, by Triton's do_bench, which also flushes the L2
+    cache before each call (one sequence's 8k-token context would otherwise sit in it); elsewhere wall time."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median") / 1000
+    fn()  # warm-up: first-touch page faults, the interpreter's first pass
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-device copy, the bytes read and the bytes written both counted.
+    1 GiB on a GPU (far past its L2); 64 MiB elsewhere (past a CPU's caches, quick to time)."""
+    nbytes = 1024**3 if device.type == "cuda" else 64 * 1024**2
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return 2 * nbytes / median_seconds(lambda: target.copy_(source), device)
+
+
+def bench_decode_attention(
+    shape: ModelConfig, batch: int, context: int, dtype: torch.dtype, device: torch.device, block_size: int = 16
+) -> KernelRun:
+    from kernels.decode_attention import decode_attention
+
+    blocks_per_seq = -(-context // block_size)
+    cache_shape = (batch * blocks_per_seq, block_size, shape.num_key_value_heads, shape.head_dim)
+    k_cache = torch.randn(cache_shape, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    # Blocks scattered over the pool, as a long-running engine's tables are.
+    block_tables = torch.randperm(cache_shape[0], device=device).to(torch.int32).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, shape.num_attention_heads, shape.head_dim, dtype=dtype, device=device)
+    out = torch.empty_like(q)
+
+    def attend() -> torch.Tensor:
+        return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, shape.head_dim**-0.5, out=out)
+
+    seconds = median_seconds(attend, device)
+    kv_bytes = 2 * batch * context * shape.num_key_value_heads * shape.head_dim * k_cache.element_size()
+    return KernelRun(batch, context, seconds, kv_bytes)
+
+
+def build_hf_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    """The same config.json, with transformers' own random init, on the device."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**hf_config)
+    # Initialised on the device itself: initialising 8B parameters on the CPU takes minutes.
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def run_hf_generate_batch(model: PreTrainedModel, requests: list[BenchRequest]) -> BenchResult:
+    """transformers' continuous batching with eos disabled, each request to its own length."""
+    import transformers
+
+    if not hasattr(model, "continuous_batching_context_manager"):
+        raise RuntimeError(f"transformers {transformers.__version__} has no continuous batching (generate_batch)")
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError as error:
+        raise RuntimeError(
+            f"transformers {transformers.__version__}: continuous batching without WorkloadHints; "
+            "this benchmark was written against transformers 5.17-5.23"
+        ) from error
+
+    longest_output = max(r.output_len for r in requests)
+    # eos_token_id=-1 is the manager's "no eos".
+    generation_config = transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=longest_output, eos_token_id=-1, pad_token_id=0
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
+        max_generated_length=longest_output,
+        num_requests=len(requests),
+    )
+    cache_config = None
+    if model.device.type != "cuda":
+        # HF sizes its KV cache from free memory; on the CPU that is 60% of RAM, allocated at start
+        # (seconds). Sized to the workload instead, in HF's default 256-token blocks.
+        tokens = sum(len(r.prompt_token_ids) + r.output_len for r in requests)
+        cache_config = transformers.ContinuousBatchingConfig(
+            num_blocks=-(-tokens // 256) + len(requests), max_batch_tokens=256
+        )
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config,
+        continuous_batching_config=cache_config,
+        workload_hints=hints,
+        block=True,
+    ) as manager:
+        _run_to_completion(manager, [BenchRequest([1, 2, 3], 2)], "warm-up")
+        start = time.perf_counter()
+        produced = _run_to_completion(manager, requests, "bench")
+        seconds = time.perf_counter() - start
+    assert produced == sum(r.output_len for r in requests), "HF generate_batch stopped a request early"
+    return BenchResult("hf generate_batch", seconds, produced)
+
+
+def _run_to_completion(manager: Any, requests: list[BenchRequest], prefix: str) -> int:
+    """Submit, wait for every result, and return the tokens generated."""
+    for index, r in enumerate(requests):
+        manager.add_request(
+            r.prompt_token_ids, request_id=f"{prefix}-{index}", max_new_tokens=r.output_len, eos_token_id=-1
+        )
+    produced, finished = 0, 0
+    while finished < len(requests):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("HF's continuous-batching thread stopped before every request finished")
+            continue
+        if result.error is not None:
+            raise RuntimeError(f"HF continuous batching failed request {result.request_id}: {result.error}")
+        if result.is_finished():
+            produced += len(result.generated_tokens)
+            finished += 1
+    return produced
+
+
+def bench_model(model: str, args: argparse.Namespace, device: torch.device, bandwidth: float) -> ModelReport:
+    label = model if model in DUMMY_SHAPES else Path(model).name
+    print(f"{label}: conveyor ...", flush=True)
+    llm = LLM(
+        model=model, load_format="dummy", dtype=args.dtype, device=device,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    dtype = llm.engine.dtype
+    requests = make_workload(
+        args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.engine.model_config.vocab_size, args.seed
+    )
+    recorder = DecodeStepRecorder(llm.engine, bandwidth)
+    conveyor = run_conveyor(llm, requests, recorder.after_step)
+    steps = recorder.steps
+    del llm, recorder
+    release_memory(device)
+
+    cap = args.hf_max_requests if args.hf_max_requests is not None else HF_MAX_REQUESTS.get(model, len(requests))
+    hf_requests = requests[: min(cap, len(requests))]
+    if len(hf_requests) < len(requests):
+        print(f"{label}: HF runs capped at the first {len(hf_requests)} of {len(requests)} requests", flush=True)
+    print(f"{label}: HF static generate ...", flush=True)
+    hf_model = build_hf_model(resolve_model(model, "dummy").hf_config, dtype, device)
+    static = run_hf_static(hf_model, hf_requests, args.hf_batch_size)
+    release_memory(device)
+    print(f"{label}: HF generate_batch ...", flush=True)
+    continuous = run_hf_generate_batch(hf_model, hf_requests)
+    del hf_model
+    release_memory(device)
+    return ModelReport(label, len(requests), len(hf_requests), [conveyor, static, continuous], steps)
+
+
+def release_memory(device: torch.device) -> None:
+    """What the run before left behind (an engine's KV pool, HF's caches), freed for the next one."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def format_model(report: ModelReport, args: argparse.Namespace) -> str:
+    conveyor = report.results[0]
+    rows = []
+    for r in report.results:
+        requests = report.num_requests if r is conveyor else report.hf_requests
+        name = f"{r.name} (batch {args.hf_batch_size})" if r.name == "hf static generate" else r.name
+        ratio = conveyor.tokens_per_second / r.tokens_per_second
+        rows.append(
+            [name, requests, f"{r.seconds:.2f}", f"{r.output_tokens:,}", f"{r.tokens_per_second:,.1f}", f"{ratio:.2f}x"]
+        )
+    lines = [
+        f"### {report.label}: {report.num_requests} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, "
+        f"output {args.output_len[0]}-{args.output_len[1]} tokens, ignore_eos, greedy, seed {args.seed}",
+        "",
+        markdown_table(["engine", "requests", "seconds", "output tokens", "tok/s", "conveyor / this"], rows),
+    ]
+    if report.hf_requests < report.num_requests:
+        lines.append(f"HF ran the first {report.hf_requests} requests only (--hf-max-requests); ratios compare tok/s.")
+    lines += [
+        "HF generate_batch: its continuous-batching manager, one max_new_tokens per request.",
+        "",
+        markdown_table(
+            ["decode-only steps", "steps", "median batch", "median step ms", "median floor ms", "median floor / step"],
+            [_step_row("all", report.decode_steps),
+             _step_row(f"batch >= {STEP_TARGET_BATCH}", _large(report.decode_steps))],
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def _large(steps: list[DecodeStep]) -> list[DecodeStep]:
+    return [s for s in steps if s.batch >= STEP_TARGET_BATCH]
+
+
+def _step_row(name: str, steps: list[DecodeStep]) -> list[object]:
+    if not steps:
+        return [name, 0, "-", "-", "-", "-"]
+    return [
+        name,
+        len(steps),
+        statistics.median(s.batch for s in steps),
+        f"{statistics.median(s.seconds for s in steps) * 1e3:.2f}",
+        f"{statistics.median(s.floor_seconds for s in steps) * 1e3:.2f}",
+        f"{statistics.median(s.floor_fraction for s in steps):.2f}",
+    ]
+
+
+def format_kernel(runs: list[KernelRun], shape: ModelConfig, bandwidth: float) -> str:
+    rows = [
+        [r.batch, r.context, f"{r.seconds * 1e6:.1f}", f"{r.bytes_read / 1e6:,.2f}",
+         f"{r.bytes_read / r.seconds / 1e9:,.1f}", f"{r.fraction(bandwidth):.0%}"]
+        for r in runs
+    ]
+    return "\n".join([
+        f"### decode attention kernel: {shape.num_attention_heads} q heads, {shape.num_key_value_heads} kv heads, "
+        f"head_dim {shape.head_dim}, block_size 16, random paged caches",
+        "",
+        markdown_table(["batch", "context", "us", "K/V MB read", "GB/s", "of copy bandwidth"], rows),
+    ])
+
+
+def format_summary(
+    reports: list[ModelReport], kernel_runs: list[KernelRun] | None, bandwidth: float, smoke: bool
+) -> str:
+    rows: list[list[object]] = []
+    for report in reports:
+        for hf_name, target in RATIO_TARGETS.items():
+            ratio = report.ratio(hf_name)
+            label = f"{report.label}: conveyor / {hf_name} >= {target:g}x"
+            rows.append([label, f"{ratio:.2f}x", _met(ratio >= target)])
+    step_target = f"{STEP_TARGET_MODEL}: decode step at batch >= {STEP_TARGET_BATCH} within 1.5x of the floor"
+    step_report = next((r for r in reports if r.label == STEP_TARGET_MODEL), None)
+    if step_report is None:
+        rows.append([step_target, f"not run ({STEP_TARGET_MODEL} not among --models)", "n/a"])
+    elif not _large(step_report.decode_steps):
+        rows.append([step_target, f"no decode step reached batch {STEP_TARGET_BATCH}", "n/a"])
+    else:
+        fraction = statistics.median(s.floor_fraction for s in _large(step_report.decode_steps))
+        rows.append([step_target, f"median floor / step {fraction:.2f} (target >= {STEP_TARGET:.2f})",
+                     _met(fraction >= STEP_TARGET)])
+    kernel_target = f"decode attention kernel >= {KERNEL_TARGET:.0%} of copy bandwidth"
+    if kernel_runs is None:
+        rows.append([kernel_target, "not run", "n/a"])
+    else:
+        fractions = [r.fraction(bandwidth) for r in kernel_runs]
+        met = sum(f >= KERNEL_TARGET for f in fractions)
+        measured = f"{min(fractions):.0%} to {max(fractions):.0%}; met by {met} of {len(fractions)} shapes"
+        rows.append([kernel_target, measured, _met(met == len(fractions))])
+    what = "smoke run: tiny shapes on the CPU, not GPU figures; " if smoke else ""
+    heading = f"### summary ({what}copy bandwidth {bandwidth / 1e9:,.1f} GB/s)"
+    return "\n".join([heading, "", markdown_table(["target", "measured", "met"], rows)])
+
+
+def _met(ok: bool) -> str:
+    return "yes" if ok else "no"
+
+
+def write_smoke_models(folder: Path) -> list[str]:
+    """Config-only folders, which conveyor loads with load_format="dummy"."""
+    paths = []
+    for name, config in SMOKE_SHAPES.items():
+        (folder / name).mkdir()
+        (folder / name / "config.json").write_text(json.dumps(config))
+        paths.append(str(folder / name))
+    return paths
+
+
+def describe_device(device: torch.device) -> str:
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    return f"{name}; torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(__doc__, add_arguments, run, argv)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, few short requests, on the CPU")
+    parser.add_argument(
+        "--models", nargs="+", help=f"named dummy shapes or config.json folders (default: {' '.join(MODELS)})"
+    )
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", help=f"default: {FULL_DEFAULTS['device']}; --smoke: {SMOKE_DEFAULTS['device']}")
+    parser.add_argument("--num-requests", type=int)
+    parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, help="requests per HF static batch (default 64)")
+    parser.add_argument(
+        "--hf-max-requests", type=int,
+        help=f"HF runs only the first N requests (default: all; per model: {HF_MAX_REQUESTS})",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+
+
+def run(args: argparse.Namespace) -> None:
+    for key, value in (SMOKE_DEFAULTS if args.smoke else FULL_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; `python -m bench.gpu_throughput --smoke` runs the CPU smoke version")
+    torch.manual_seed(args.seed)
+    print(f"device: {describe_device(device)}; dtype {args.dtype}" + ("; smoke run" if args.smoke else ""), flush=True)
+    bandwidth = copy_bandwidth(device)
+    release_memory(device)  # the engine sizes its KV pool from the memory free when it starts
+    print(f"copy bandwidth: {bandwidth / 1e9:,.1f} GB/s (bytes read + written)", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="gpu-throughput-") as scratch:
+        models = args.models or (write_smoke_models(Path(scratch)) if args.smoke else list(MODELS))
+        reports = []
+        for model in models:
+            reports.append(bench_model(model, args, device, bandwidth))
+            print("\n" + format_model(reports[-1], args) + "\n", flush=True)
+
+    kernel_runs = bench_kernel(args, device, bandwidth)
+    print(format_summary(reports, kernel_runs, bandwidth, args.smoke))
+
+
+def bench_kernel(args: argparse.Namespace, device: torch.device, bandwidth: float) -> list[KernelRun] | None:
+    """The decode attention kernel over its grid of batches and contexts, printed; None where it cannot run."""
+    if not TRITON_AVAILABLE:
+        print("decode attention kernel: skipped (Triton is not installed)")
+        return None
+    if device.type != "cuda" and not interpreter_enabled():
+        print("decode attention kernel: skipped (the Triton kernel needs CUDA, or TRITON_INTERPRET=1 on the CPU)")
+        return None
+    shape = ModelConfig.from_hf(SMOKE_SHAPES["tiny-llama"] if args.smoke else DUMMY_SHAPES["llama-3-8b"])
+    batches, contexts = SMOKE_KERNEL_GRID if args.smoke else KERNEL_GRID
+    dtype = resolve_dtype(args.dtype, device)
+    runs = [bench_decode_attention(shape, batch, context, dtype, device) for context in contexts for batch in batches]
+    print(format_kernel(runs, shape, bandwidth) + "\n")
+    return runs
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""`python -m bench.gpu_throughput --smoke` runs end to end on the CPU: tiny shapes built from config
+folders, conveyor and both HF baselines, the bandwidth floor, and the summary. And the decode steps
+it measures against the floor are the right ones, with the right contexts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+
+pytest.importorskip("transformers")
+
+
+def test_smoke_run_prints_every_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import gpu_throughput
+    from bench.throughput import make_workload
+
+    gpu_throughput.main(["--smoke"])
+    out = capsys.readouterr().out
+
+    requested = sum(r.output_len for r in make_workload(8, (8, 48), (4, 24), 1024, seed=0))
+    for model in gpu_throughput.SMOKE_SHAPES:
+        assert f"### {model}: 8 requests, prompt 8-48, output 4-24 tokens" in out
+        assert f"{model}: HF runs capped at the first 6 of 8 requests" in out
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    # engine, requests, seconds, output tokens: every requested token counted, none more.
+    assert [row[1] for row in rows if row[0] == "conveyor"] == ["8", "8"]
+    assert [row[3] for row in rows if row[0] == "conveyor"] == [str(requested)] * 2
+    assert [row[1] for row in rows if row[0].startswith("hf ")] == ["6"] * 4
+    assert out.count("| decode-only steps |") == 2
+    if TRITON_AVAILABLE and interpreter_enabled():
+        assert "### decode attention kernel: 4 q heads, 2 kv heads, head_dim 16" in out
+    else:
+        assert "decode attention kernel: skipped" in out
+    summary = out[out.index("### summary") :]
+    assert "tiny-llama: conveyor / hf generate_batch >= 3x" in summary
+    assert "llama-3-8b: decode step at batch >= 128 within 1.5x of the floor" in summary
+
+
+def test_decode_steps_are_recorded_with_their_contexts(tiny_dummy_model: Path) -> None:
+    from bench.gpu_throughput import DecodeStepRecorder
+    from bench.throughput import BenchRequest, run_conveyor
+    from engine import LLM
+
+    llm = LLM(model=str(tiny_dummy_model), load_format="dummy", dtype="float32", device="cpu")
+    recorder = DecodeStepRecorder(llm.engine, bandwidth=1.0)  # floor seconds = bytes to read
+    run_conveyor(llm, [BenchRequest([5] * 10, 5), BenchRequest([6] * 10, 8)], recorder.after_step)
+
+    # One step prefills both prompts and samples their first tokens; decodes follow, one token each.
+    assert [s.batch for s in recorder.steps] == [2] * 4 + [1] * 3
+    contexts = [2 * 11, 2 * 12, 2 * 13, 2 * 14, 15, 16, 17]
+    expected = [recorder.weight_bytes + c * recorder.kv_bytes_per_token for c in contexts]
+    assert [s.floor_seconds for s in recorder.steps] == expected
