@@ -1,10 +1,10 @@
 """BERT-family encoder for embeddings, in plain torch, over packed (variable-length, unpadded) batches.
 
 A batch is the token stream of its sequences laid end to end ([T] ids with per-sequence positions);
-only attention needs the sequence boundaries. It runs once per run of consecutive equal-length
-sequences, as one dense SDPA call over [count, heads, length, head_dim]: no padding and no mask, so
-every token is computed exactly once. Sequences sorted by length, as the embedder sends them, make
-these runs long, so a batch costs few attention calls.
+only attention needs the sequence boundaries. For attention alone each sequence is padded to a multiple
+of `ATTENTION_LENGTH_MULTIPLE` tokens (its padding keys masked) and sequences of one padded length share
+one SDPA call over [count, heads, padded length, head_dim]; the projections, norms and feed-forward see
+every token exactly once.
 
 Weights keep Hugging Face's module names but for the fused q/k/v projection; `load_weights` maps
 BertModel checkpoints (with or without a `bert.` prefix) onto them.
@@ -13,7 +13,7 @@ BertModel checkpoints (with or without a `bert.` prefix) onto them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import groupby
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,9 +27,44 @@ from engine.models.llama import Linear
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "lasttoken")
 
 
-def equal_length_runs(seq_lens: Sequence[int]) -> list[tuple[int, int]]:
-    """(number of sequences, their length) for each run of consecutive sequences of one length."""
-    return [(len(list(run)), length) for length, run in groupby(seq_lens)]
+# torch's CPU flash attention is uneven across lengths (bf16, 4 x 12 heads x 191 tokens: 3.0 ms, x 192: 1.6 ms);
+# on multiples of 16 it is fast throughout: 44 ms vs 63 ms summed over every 7th length from 16 to 254 with
+# the padding masked (one thread). Padding is for attention only, so it costs little elsewhere.
+ATTENTION_LENGTH_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """A packed batch's sequences padded for attention and grouped by padded length, one SDPA call a group."""
+
+    gather: torch.Tensor  # [P] the packed row behind each padded row (a padding row repeats a row of its sequence)
+    scatter: torch.Tensor  # [T] the padded row of each packed token
+    groups: list[tuple[int, int, torch.Tensor | None]]  # (sequences, padded length, [n, 1, 1, length] key mask)
+
+    @classmethod
+    def build(cls, seq_lens: Sequence[int], device: torch.device) -> "AttentionLayout":
+        lengths = torch.tensor(seq_lens, dtype=torch.int64)
+        padded = -(-lengths // ATTENTION_LENGTH_MULTIPLE) * ATTENTION_LENGTH_MULTIPLE
+        order = torch.argsort(padded, stable=True)
+        row_lengths, row_padded = lengths[order], padded[order]
+        row_seq_start = (lengths.cumsum(0) - lengths)[order].repeat_interleave(row_padded)
+        row_length = row_lengths.repeat_interleave(row_padded)
+        row_position = torch.arange(int(row_padded.sum())) - (row_padded.cumsum(0) - row_padded).repeat_interleave(
+            row_padded
+        )
+        valid = row_position < row_length
+        gather = row_seq_start + torch.minimum(row_position, row_length - 1)
+        scatter = torch.empty(len(lengths) and int(lengths.sum()), dtype=torch.int64)
+        scatter[gather[valid]] = valid.nonzero().squeeze(1)
+        valid = valid.to(device)
+        groups: list[tuple[int, int, torch.Tensor | None]] = []
+        start = 0
+        for length, count in zip(*torch.unique_consecutive(row_padded, return_counts=True)):
+            stop = start + int(count) * int(length)
+            full = bool((row_lengths[len(groups) and ...] == length).all()) if False else None
+            groups.append((int(count), int(length), valid[start:stop].view(int(count), 1, 1, int(length))))
+            start = stop
+        return cls(gather.to(device), scatter.to(device), groups)
 
 
 class EncoderEmbeddings(nn.Module):
