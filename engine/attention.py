@@ -49,8 +49,9 @@ class TorchAttention:
     Plans the batch layout once per step (on the first layer that sees the step's metadata) and
     reuses the plan in every other layer."""
 
-    def __init__(self, use_decode_kernel: bool) -> None:
+    def __init__(self, use_decode_kernel: bool, shared_prefix_min_saved_tokens: int = 0) -> None:
         self.use_decode_kernel = use_decode_kernel
+        self.shared_prefix_min_saved_tokens = shared_prefix_min_saved_tokens
         self._planned_for: AttentionMetadata | None = None
         self._plan: PagedAttentionPlan | None = None
 
@@ -71,6 +72,7 @@ class TorchAttention:
                 metadata.block_tables,
                 k_cache.shape[1],
                 use_decode_kernel=self.use_decode_kernel,
+                shared_prefix_min_saved_tokens=self.shared_prefix_min_saved_tokens,
             )
             self._planned_for = metadata
         write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)

@@ -89,6 +89,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds requests that do not carry their own seed
     cpu_kernels: bool = True  # on CPU, C++ decode attention and RMSNorm where they build; False: torch only
+    # torch backend: decode rows sharing cached blocks (one document's chunks, n samples, beams) read those
+    # blocks' K/V once together where that saves reading at least this many tokens' K/V; 0: never
+    shared_prefix_min_saved_tokens: int = 2048
     kernel_backend: KernelBackendChoice = "auto"  # "auto": Triton on CUDA, torch on CPU; or "torch" / "triton" to force one
     cuda_graph_max_batch_size: int = 256  # decode steps of up to this many sequences replay CUDA graphs; 0: eager
 
@@ -105,6 +108,8 @@ class EngineConfig:
             raise ValueError("swap_space and max_swap_blocks_per_step must be >= 0")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
+        if self.shared_prefix_min_saved_tokens < 0:
+            raise ValueError("shared_prefix_min_saved_tokens must be >= 0")
         if self.cuda_graph_max_batch_size < 0:
             raise ValueError("cuda_graph_max_batch_size must be >= 0")
         if not 0.0 <= self.admission_watermark < 1.0:

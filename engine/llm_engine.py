@@ -142,7 +142,8 @@ class LLMEngine:
         if self.kernel_backend == "triton":
             backend, kernels = TritonAttention(), "triton"
         else:
-            backend, kernels = TorchAttention(use_decode_kernel=use_cpu_kernels), "cpu" if use_cpu_kernels else "torch"
+            backend = TorchAttention(use_cpu_kernels, self.config.shared_prefix_min_saved_tokens)
+            kernels = "cpu" if use_cpu_kernels else "torch"
         with torch.device(self.device):
             model = LlamaForCausalLM(self.model_config, backend, kernels).to(self.dtype)
         if load_format == "dummy":

@@ -8,6 +8,12 @@ and attends to cache positions 0..that position.
 
 The batch layout is the same for every layer, so it is turned into a `PagedAttentionPlan` (index
 tensors, masks, groupings) once per step and each layer only gathers and attends.
+
+Decode rows whose block tables start with the same blocks (chunks of one prefix-cached document, the
+n samples of a prompt, beams) can be attended as a `SharedPrefixGroup`: the shared blocks' K/V are
+read once for every row of the group, each row's own remaining blocks separately, and the two softmax
+parts merged by their log-sum-exp. Decode is memory-bound on CPU, so a group of g rows over a long
+shared prefix reads about 1/g of the K/V it otherwise would.
 """
 
 from __future__ import annotations
@@ -55,10 +61,21 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class SharedPrefixGroup:
+    """Decode rows whose tables share their first blocks; every row's context extends past them."""
+
+    token_index: torch.Tensor  # [g] query rows
+    prefix_blocks: torch.Tensor  # [P] the shared blocks, all full
+    suffix_blocks: torch.Tensor  # [g * S] each row's blocks after the prefix, padded to S
+    suffix_mask: torch.Tensor  # [g, 1, 1, S * block_size] bool: True where the row's context is real
+
+
+@dataclass(frozen=True)
 class PagedAttentionPlan:
     decode_groups: tuple[DecodeGroup, ...]  # the torch path's decode rows
     decode_batch: DecodeBatch | None  # the kernel path's decode rows (then decode_groups is empty)
     prefill_rows: tuple[PrefillRow, ...]
+    shared_prefix_groups: tuple[SharedPrefixGroup, ...] = ()
 
 
 def plan_paged_attention(
@@ -67,11 +84,19 @@ def plan_paged_attention(
     block_tables: torch.Tensor,
     block_size: int,
     use_decode_kernel: bool = False,
+    shared_prefix_min_saved_tokens: int = 0,
 ) -> PagedAttentionPlan:
+    """Decode rows sharing cached blocks are attended as `SharedPrefixGroup`s where that saves reading
+    at least `shared_prefix_min_saved_tokens` tokens' K/V ((rows - 1) x shared tokens); 0: never."""
     device = block_tables.device
     starts, lens = list(query_start_loc), list(seq_lens)
     query_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
     decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+    shared_groups: list[SharedPrefixGroup] = []
+    if shared_prefix_min_saved_tokens > 0 and len(decode_rows) > 1:
+        shared_groups, decode_rows = _shared_prefix_groups(
+            decode_rows, starts, lens, block_tables, block_size, shared_prefix_min_saved_tokens
+        )
 
     decode_batch = None
     if use_decode_kernel and decode_rows:
@@ -108,7 +133,49 @@ def plan_paged_attention(
         prefill_rows.append(
             PrefillRow(slice(starts[i], starts[i + 1]), block_tables[i, : -(-seq_len // block_size)], seq_len, mask)
         )
-    return PagedAttentionPlan(tuple(decode_groups), decode_batch, tuple(prefill_rows))
+    return PagedAttentionPlan(tuple(decode_groups), decode_batch, tuple(prefill_rows), tuple(shared_groups))
+
+
+def _shared_prefix_groups(
+    rows: list[int],
+    starts: list[int],
+    lens: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    min_saved_tokens: int,
+) -> tuple[list[SharedPrefixGroup], list[int]]:
+    """(the groups, the decode rows left over). Rows are grouped by their first block, and a group's
+    prefix is the longest run of blocks all its rows start with, cut so that every row keeps at least
+    its own newest token outside it."""
+    device = block_tables.device
+    by_first_block: dict[int, list[int]] = {}
+    for row, first in zip(rows, block_tables[rows, 0].tolist()):
+        by_first_block.setdefault(first, []).append(row)
+    groups, rest = [], []
+    for members in by_first_block.values():
+        limit = min((lens[i] - 1) // block_size for i in members)
+        if (len(members) - 1) * limit * block_size < min_saved_tokens:
+            rest += members
+            continue
+        tables = block_tables[members, :limit]
+        shared = int((tables == tables[0]).all(dim=0).int().cumprod(0).sum())
+        if (len(members) - 1) * shared * block_size < min_saved_tokens:
+            rest += members
+            continue
+        suffix_lens = [lens[i] - shared * block_size for i in members]
+        width = -(-max(suffix_lens) // block_size)
+        suffix_lens_tensor = torch.tensor(suffix_lens, device=device)
+        groups.append(
+            SharedPrefixGroup(
+                token_index=torch.tensor([starts[i] for i in members], device=device),
+                prefix_blocks=block_tables[members[0], :shared].long(),
+                suffix_blocks=block_tables[members, shared : shared + width].flatten().long(),
+                suffix_mask=(torch.arange(width * block_size, device=device)[None, :] < suffix_lens_tensor[:, None])[
+                    :, None, None, :
+                ],
+            )
+        )
+    return groups, sorted(rest)
 
 
 def _length_buckets(rows: list[int], lens: list[int]) -> list[list[int]]:
@@ -154,6 +221,8 @@ def run_paged_attention(
         q = query[decode.token_index].view(batch, num_kv_heads, group, head_dim)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=decode.mask, scale=scale)
         out[decode.token_index] = attn.reshape(batch, num_heads, head_dim)
+    for shared in plan.shared_prefix_groups:
+        out[shared.token_index] = _attend_shared_prefix(query, k_cache, v_cache, shared, scale)
     for prefill in plan.prefill_rows:
         if prefill.mask is None and new_key is not None and new_value is not None:
             keys, values = new_key[prefill.rows], new_value[prefill.rows]  # no prefix: what was just written
@@ -169,6 +238,46 @@ def run_paged_attention(
         )
         out[prefill.rows] = attn[0].transpose(0, 1)
     return out
+
+
+def _attend_shared_prefix(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shared: SharedPrefixGroup, scale: float
+) -> torch.Tensor:
+    """[g, num_heads, head_dim]: the group's rows over the prefix (all rows' queries against one
+    copy of its K/V) and over their own suffixes, merged; in float32."""
+    rows = shared.token_index.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = query.shape[1] // num_kv_heads
+    q = query[shared.token_index].float().view(rows, num_kv_heads, group, head_dim)
+
+    def gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> torch.Tensor:  # [batch, kv, len, D]
+        return cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+
+    # Every row's queries as one [kv, rows * group] matrix against the single copy of the prefix.
+    prefix_q = q.transpose(0, 1).reshape(1, num_kv_heads, rows * group, head_dim)
+    prefix_out, prefix_lse = _attend_with_lse(
+        prefix_q, gather(k_cache, shared.prefix_blocks, 1), gather(v_cache, shared.prefix_blocks, 1), None, scale
+    )
+    prefix_out = prefix_out.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
+    prefix_lse = prefix_lse.view(num_kv_heads, rows, group, 1).transpose(0, 1)
+    suffix_out, suffix_lse = _attend_with_lse(
+        q, gather(k_cache, shared.suffix_blocks, rows), gather(v_cache, shared.suffix_blocks, rows),
+        shared.suffix_mask, scale,
+    )
+    lse = torch.logaddexp(prefix_lse, suffix_lse)
+    merged = prefix_out * (prefix_lse - lse).exp() + suffix_out * (suffix_lse - lse).exp()
+    return merged.reshape(rows, num_kv_heads * group, head_dim).to(query.dtype)
+
+
+def _attend_with_lse(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and the log-sum-exp of its scores, which merging partial results needs."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -torch.inf)
+    lse = scores.logsumexp(dim=-1, keepdim=True)
+    return torch.matmul((scores - lse).exp(), values), lse
 
 
 def paged_attention_reference(

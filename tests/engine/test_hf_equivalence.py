@@ -92,6 +92,9 @@ ENGINE_SETUPS = {
     "no_prefix_caching": {"max_num_seqs": 3, "enable_prefix_caching": False},
     # the pure torch path (no C++ CPU kernels), chunked so that cached prefixes are read back
     "torch_only": {"cpu_kernels": False, "max_num_batched_tokens": 16},
+    # decode rows sharing cached blocks (a chat template's system prompt, a shared prefix, n samples)
+    # read them once as a group, however few tokens that saves
+    "shared_prefix_decode": {"shared_prefix_min_saved_tokens": 1},
 }
 
 
@@ -131,7 +134,7 @@ def test_random_models_match_hf(random_case, setup):
     check_against_hf(random_case, setup, ignore_eos=True)
 
 
-@pytest.mark.parametrize("setup", ["default", "preemption_swap"])
+@pytest.mark.parametrize("setup", ["default", "preemption_swap", "shared_prefix_decode"])
 def test_parallel_greedy_samples_match_hf(smollm2_case, setup):
     """n = 3 samples fork from one prompt and share its blocks; greedy, each equals HF's output."""
     check_against_hf(smollm2_case, setup, ignore_eos=False, n=3)
