@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -33,36 +34,49 @@ POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "lasttoken")
 ATTENTION_LENGTH_MULTIPLE = 16
 
 
+def stable_row_count(rows: int) -> int:
+    """`rows` rounded up to one of 16 sizes per doubling (at most 1/16 more). oneDNN builds its kernels per
+    shape, and a batch of a size not seen before pays for that again: 8000 x 384 -> 1536 with the GELU takes
+    37 ms the first time and 13 ms after (one thread), and packed batches rarely come out the same size."""
+    granule = max(ATTENTION_LENGTH_MULTIPLE, 1 << max(rows.bit_length() - 5, 0))
+    return -(-rows // granule) * granule
+
+
 @dataclass(frozen=True)
 class AttentionLayout:
     """A packed batch's sequences padded for attention and grouped by padded length, one SDPA call a group."""
 
-    gather: torch.Tensor  # [P] the packed row behind each padded row (a padding row repeats a row of its sequence)
-    scatter: torch.Tensor  # [T] the padded row of each packed token
+    gather: torch.Tensor  # [P] the stream row behind each padded row; padding repeats row 0, masked or unused
+    scatter: torch.Tensor  # [rows] the padded row of each stream row
     groups: list[tuple[int, int, torch.Tensor | None]]  # (sequences, padded length, [n, 1, 1, length] key mask)
 
     @classmethod
-    def build(cls, seq_lens: Sequence[int], device: torch.device) -> "AttentionLayout":
-        lengths = torch.tensor(seq_lens, dtype=torch.int64)
-        padded = -(-lengths // ATTENTION_LENGTH_MULTIPLE) * ATTENTION_LENGTH_MULTIPLE
-        order = torch.argsort(padded, stable=True)
-        row_lengths, row_padded = lengths[order], padded[order]
-        row_seq_start = (lengths.cumsum(0) - lengths)[order].repeat_interleave(row_padded)
-        row_length = row_lengths.repeat_interleave(row_padded)
-        row_position = torch.arange(int(row_padded.sum())) - (row_padded.cumsum(0) - row_padded).repeat_interleave(
-            row_padded
-        )
-        valid = row_position < row_length
-        gather = row_seq_start + torch.minimum(row_position, row_length - 1)
-        scatter = torch.empty(len(lengths) and int(lengths.sum()), dtype=torch.int64)
-        scatter[gather[valid]] = valid.nonzero().squeeze(1)
+    def build(cls, seq_lens: Sequence[int], stream_rows: int, device: torch.device) -> "AttentionLayout":
+        """`stream_rows`: the sequences' tokens end to end, then rows that belong to no sequence."""
+        starts = list(accumulate(seq_lens, initial=0))
+        by_padded_length: dict[int, list[int]] = {}
+        for index, length in enumerate(seq_lens):
+            padded = -(-length // ATTENTION_LENGTH_MULTIPLE) * ATTENTION_LENGTH_MULTIPLE
+            by_padded_length.setdefault(padded, []).append(index)
+        rows: list[int] = []
+        is_token: list[bool] = []
+        for padded, indices in by_padded_length.items():
+            for index in indices:
+                padding = padded - seq_lens[index]
+                rows += [*range(starts[index], starts[index + 1]), *[0] * padding]
+                is_token += [True] * seq_lens[index] + [False] * padding
+        rows += [0] * (stable_row_count(len(rows)) - len(rows))
+        gather = torch.tensor(rows, dtype=torch.int64)
+        valid = torch.tensor(is_token, dtype=torch.bool)
+        scatter = torch.zeros(stream_rows, dtype=torch.int64)
+        scatter[gather[: len(is_token)][valid]] = valid.nonzero().squeeze(1)
         valid = valid.to(device)
         groups: list[tuple[int, int, torch.Tensor | None]] = []
         start = 0
-        for length, count in zip(*torch.unique_consecutive(row_padded, return_counts=True)):
-            stop = start + int(count) * int(length)
-            full = bool((row_lengths[len(groups) and ...] == length).all()) if False else None
-            groups.append((int(count), int(length), valid[start:stop].view(int(count), 1, 1, int(length))))
+        for padded, indices in by_padded_length.items():
+            stop = start + len(indices) * padded
+            unpadded = all(seq_lens[index] == padded for index in indices)
+            groups.append((len(indices), padded, None if unpadded else valid[start:stop].view(-1, 1, 1, padded)))
             start = stop
         return cls(gather.to(device), scatter.to(device), groups)
 
@@ -95,6 +109,15 @@ class LinearGELU(Linear):
         return F.gelu(F.linear(x, self.weight, self.bias), approximate=self.approximation)
 
 
+class LinearAdd(Linear):
+    """A Linear whose output is added to a residual; prepacked for oneDNN, the add runs inside the matmul."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed_weight, self.bias, "add")
+        return F.linear(x, self.weight, self.bias) + residual
+
+
 class EncoderLayer(nn.Module):
     """Self-attention then a GELU feed-forward, each followed by residual add and LayerNorm (post-LN)."""
 
@@ -103,32 +126,29 @@ class EncoderLayer(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.qkv_proj = Linear(config.hidden_size, 3 * config.hidden_size)
-        self.attention_output = Linear(config.hidden_size, config.hidden_size)
+        self.attention_output = LinearAdd(config.hidden_size, config.hidden_size)
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.intermediate = LinearGELU(config.hidden_size, config.intermediate_size, config.gelu_approximation)
-        self.output = Linear(config.intermediate_size, config.hidden_size)
+        self.output = LinearAdd(config.intermediate_size, config.hidden_size)
         self.output_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
-        attended = self.attention_output(self._attention(hidden, runs))
-        hidden = self.attention_norm(attended + hidden)
-        feed_forward = self.output(self.intermediate(hidden))
-        return self.output_norm(feed_forward + hidden)
+    def forward(self, hidden: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+        hidden = self.attention_norm(self.attention_output(self._attention(hidden, layout), hidden))
+        return self.output_norm(self.output(self.intermediate(hidden), hidden))
 
-    def _attention(self, hidden: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
-        num_tokens, hidden_size = hidden.shape
-        qkv = self.qkv_proj(hidden)
+    def _attention(self, hidden: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+        hidden_size = hidden.shape[1]
+        qkv = self.qkv_proj(hidden.index_select(0, layout.gather))  # cheaper to gather before than after
         outputs: list[torch.Tensor] = []
         start = 0
-        for count, length in runs:
+        for count, length, key_mask in layout.groups:
             stop = start + count * length
             # [count * length, 3 * hidden] -> three [count, heads, length, head_dim] views, no copy.
             q, k, v = qkv[start:stop].view(count, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            attended = F.scaled_dot_product_attention(q, k, v)
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
             outputs.append(attended.transpose(1, 2).reshape(stop - start, hidden_size))
             start = stop
-        assert start == num_tokens, "the runs must cover the batch's tokens exactly"
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).index_select(0, layout.scatter)
 
 
 class EncoderModel(nn.Module):
@@ -144,11 +164,13 @@ class EncoderModel(nn.Module):
         positions: torch.Tensor,  # [T] each token's position within its own sequence
         seq_lens: Sequence[int],  # [B] host copy, in stream order, summing to T
     ) -> torch.Tensor:  # [T, hidden] the last layer's token embeddings
-        runs = equal_length_runs(seq_lens)
-        hidden = self.embeddings(input_ids, positions)
+        num_tokens = input_ids.shape[0]
+        rows = stable_row_count(num_tokens)
+        layout = AttentionLayout.build(seq_lens, rows, input_ids.device)
+        hidden = self.embeddings(F.pad(input_ids, (0, rows - num_tokens)), F.pad(positions, (0, rows - num_tokens)))
         for layer in self.layers:
-            hidden = layer(hidden, runs)
-        return hidden
+            hidden = layer(hidden, layout)
+        return hidden[:num_tokens]
 
     def pack_linears_for_cpu(self) -> None:
         """Prepack every projection for oneDNN; bfloat16 on CPU (see `Linear`)."""
