@@ -46,7 +46,6 @@ from engine.dtypes import resolve_dtype
 from engine.kv_cache import bytes_per_block
 from engine.llm_engine import LLMEngine
 from engine.model_registry import DUMMY_SHAPES, resolve_model
-from engine.scheduler import SchedulerOutput
 from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 
 if TYPE_CHECKING:
@@ -124,9 +123,8 @@ class KernelRun:
 
 
 class DecodeStepRecorder:
-    """Times the engine's decode-only steps against their bandwidth floor. The engine's counters give a
-    step's time and batch but not its context lengths, so the scheduler's `schedule` is wrapped to keep
-    the step's plan."""
+    """Times the engine's decode-only steps (every sequence computes one token, no block crosses to or from
+    the host pool) against their bandwidth floor, from the engine's own per-step counters."""
 
     def __init__(self, engine: LLMEngine, bandwidth: float) -> None:
         config = engine.model_config
@@ -139,26 +137,22 @@ class DecodeStepRecorder:
         self.bandwidth = bandwidth
         self.steps: list[DecodeStep] = []
         self._engine = engine
-        self._schedule = engine.scheduler.schedule
-        self._last: SchedulerOutput | None = None
-        engine.scheduler.schedule = self._record  # type: ignore[method-assign]
+        self._seen_steps = engine.counters.steps
+        self._blocks_swapped = self._swapped_so_far()
 
-    def _record(self) -> SchedulerOutput:
-        self._last = self._schedule()
-        return self._last
+    def _swapped_so_far(self) -> int:
+        counters = self._engine.scheduler.counters
+        return counters.blocks_swapped_out + counters.blocks_swapped_in
 
     def after_step(self) -> None:
-        out, self._last = self._last, None
+        counters = self._engine.counters
+        stepped, self._seen_steps = counters.steps != self._seen_steps, counters.steps
+        swapped, self._blocks_swapped = self._blocks_swapped, self._swapped_so_far()
         # Steps that move blocks to or from the host pool spend part of their time on PCIe.
-        if out is None or not out.scheduled or out.blocks_to_swap_out or out.blocks_to_swap_in:
+        if not stepped or swapped != self._blocks_swapped or counters.last_step_tokens != counters.last_step_sequences:
             return
-        if any(item.num_new_tokens != 1 for item in out.scheduled):
-            return
-        context_tokens = sum(item.start_position + 1 for item in out.scheduled)
-        floor_bytes = self.weight_bytes + context_tokens * self.kv_bytes_per_token
-        self.steps.append(
-            DecodeStep(len(out.scheduled), self._engine.counters.last_step_seconds, floor_bytes / self.bandwidth)
-        )
+        floor_bytes = self.weight_bytes + counters.last_step_context_tokens * self.kv_bytes_per_token
+        self.steps.append(DecodeStep(counters.last_step_sequences, counters.last_step_seconds, floor_bytes / self.bandwidth))
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device) -> float:

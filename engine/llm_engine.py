@@ -291,6 +291,7 @@ class LLMEngine:
         counters.requests_finished += sum(output.finished for output in outputs)
         counters.last_step_tokens = out.num_batched_tokens
         counters.last_step_sequences = len(out.scheduled)
+        counters.last_step_context_tokens = sum(item.start_position + item.num_new_tokens for item in out.scheduled)
         return outputs
 
     def stats(self) -> EngineStats:

@@ -52,6 +52,7 @@ class StepCounters:
     last_step_seconds: float = 0.0
     last_step_tokens: int = 0  # tokens computed in the last step: prefill chunks + decodes
     last_step_sequences: int = 0  # the effective batch size of the last step
+    last_step_context_tokens: int = 0  # context positions the last step's sequences attend to, summed
     step_time: Histogram = field(default_factory=lambda: Histogram(STEP_SECONDS_BUCKETS))
     # Per request: from add_request to its first sampled token.
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TIME_TO_FIRST_TOKEN_BUCKETS))
