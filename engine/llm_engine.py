@@ -142,7 +142,9 @@ class LLMEngine:
         if self.kernel_backend == "triton":
             backend, kernels = TritonAttention(), "triton"
         else:
-            backend = TorchAttention(use_cpu_kernels, self.config.shared_prefix_min_saved_tokens)
+            # The shared-prefix groups run on torch's CPU flash-attention kernel.
+            shared_prefix = self.config.shared_prefix_min_saved_tokens if self.device.type == "cpu" else 0
+            backend = TorchAttention(use_cpu_kernels, shared_prefix)
             kernels = "cpu" if use_cpu_kernels else "torch"
         with torch.device(self.device):
             model = LlamaForCausalLM(self.model_config, backend, kernels).to(self.dtype)

@@ -144,35 +144,43 @@ def _shared_prefix_groups(
     block_size: int,
     min_saved_tokens: int,
 ) -> tuple[list[SharedPrefixGroup], list[int]]:
-    """(the groups, the decode rows left over). Rows are grouped by their first block, and a group's
-    prefix is the longest run of blocks all its rows start with, cut so that every row keeps at least
-    its own newest token outside it."""
+    """(the groups, the decode rows left over). The rows' tables form a trie; each row joins the
+    deepest shared prefix whose group saves enough reads: rows of one document share the whole
+    document, although every prompt (of every document) starts with the same chat template. A
+    prefix only covers blocks before each member's newest token, so every row keeps a suffix."""
+    tables = dict(zip(rows, block_tables[rows].tolist()))
+    full_blocks = {row: (lens[row] - 1) // block_size for row in rows}
+    found: list[tuple[list[int], int]] = []  # (members, shared blocks)
+
+    def place(members: list[int], depth: int) -> list[int]:
+        """Groups what it can of `members`, which share their first `depth` blocks; returns the rest."""
+        while all(full_blocks[row] > depth for row in members) and len({tables[row][depth] for row in members}) == 1:
+            depth += 1
+        unplaced = [row for row in members if full_blocks[row] <= depth]
+        branches: dict[int, list[int]] = {}
+        for row in members:
+            if full_blocks[row] > depth:
+                branches.setdefault(tables[row][depth], []).append(row)
+        for branch in branches.values():
+            unplaced += place(branch, depth + 1) if len(branch) > 1 else branch
+        if (len(unplaced) - 1) * depth * block_size >= min_saved_tokens:
+            found.append((sorted(unplaced), depth))
+            return []
+        return unplaced
+
+    rest = place(rows, 0)
     device = block_tables.device
-    by_first_block: dict[int, list[int]] = {}
-    for row, first in zip(rows, block_tables[rows, 0].tolist()):
-        by_first_block.setdefault(first, []).append(row)
-    groups, rest = [], []
-    for members in by_first_block.values():
-        limit = min((lens[i] - 1) // block_size for i in members)
-        if (len(members) - 1) * limit * block_size < min_saved_tokens:
-            rest += members
-            continue
-        tables = block_tables[members, :limit]
-        shared = int((tables == tables[0]).all(dim=0).int().cumprod(0).sum())
-        if (len(members) - 1) * shared * block_size < min_saved_tokens:
-            rest += members
-            continue
-        suffix_lens = [lens[i] - shared * block_size for i in members]
+    groups = []
+    for members, shared in found:
+        suffix_lens = [lens[row] - shared * block_size for row in members]
         width = -(-max(suffix_lens) // block_size)
-        suffix_lens_tensor = torch.tensor(suffix_lens, device=device)
+        real = torch.arange(width * block_size, device=device)[None, :] < torch.tensor(suffix_lens, device=device)[:, None]
         groups.append(
             SharedPrefixGroup(
-                token_index=torch.tensor([starts[i] for i in members], device=device),
+                token_index=torch.tensor([starts[row] for row in members], device=device),
                 prefix_blocks=block_tables[members[0], :shared].long(),
                 suffix_blocks=block_tables[members, shared : shared + width].flatten().long(),
-                suffix_mask=(torch.arange(width * block_size, device=device)[None, :] < suffix_lens_tensor[:, None])[
-                    :, None, None, :
-                ],
+                suffix_mask=real[:, None, None, :],
             )
         )
     return groups, sorted(rest)
@@ -244,40 +252,39 @@ def _attend_shared_prefix(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shared: SharedPrefixGroup, scale: float
 ) -> torch.Tensor:
     """[g, num_heads, head_dim]: the group's rows over the prefix (all rows' queries against one
-    copy of its K/V) and over their own suffixes, merged; in float32."""
+    copy of its K/V) and over their own suffixes, merged in float32."""
     rows = shared.token_index.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
-    q = query[shared.token_index].float().view(rows, num_kv_heads, group, head_dim)
+    q = query[shared.token_index].view(rows, num_kv_heads, group, head_dim)
 
     def gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> torch.Tensor:  # [batch, kv, len, D]
-        return cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+        return cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
 
     # Every row's queries as one [kv, rows * group] matrix against the single copy of the prefix.
     prefix_q = q.transpose(0, 1).reshape(1, num_kv_heads, rows * group, head_dim)
-    prefix_out, prefix_lse = _attend_with_lse(
+    prefix_out, prefix_lse = _attention_with_lse(
         prefix_q, gather(k_cache, shared.prefix_blocks, 1), gather(v_cache, shared.prefix_blocks, 1), None, scale
     )
     prefix_out = prefix_out.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
     prefix_lse = prefix_lse.view(num_kv_heads, rows, group, 1).transpose(0, 1)
-    suffix_out, suffix_lse = _attend_with_lse(
-        q, gather(k_cache, shared.suffix_blocks, rows), gather(v_cache, shared.suffix_blocks, rows),
-        shared.suffix_mask, scale,
+    suffix_bias = torch.zeros(shared.suffix_mask.shape, dtype=query.dtype).masked_fill_(~shared.suffix_mask, -torch.inf)
+    suffix_out, suffix_lse = _attention_with_lse(
+        q, gather(k_cache, shared.suffix_blocks, rows), gather(v_cache, shared.suffix_blocks, rows), suffix_bias, scale
     )
+    suffix_lse = suffix_lse.unsqueeze(-1)
     lse = torch.logaddexp(prefix_lse, suffix_lse)
-    merged = prefix_out * (prefix_lse - lse).exp() + suffix_out * (suffix_lse - lse).exp()
+    merged = prefix_out.float() * (prefix_lse - lse).exp() + suffix_out.float() * (suffix_lse - lse).exp()
     return merged.reshape(rows, num_kv_heads * group, head_dim).to(query.dtype)
 
 
-def _attend_with_lse(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+def _attention_with_lse(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention and the log-sum-exp of its scores, which merging partial results needs."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -torch.inf)
-    lse = scores.logsumexp(dim=-1, keepdim=True)
-    return torch.matmul((scores - lse).exp(), values), lse
+    """(softmax attention, the float32 log-sum-exp of its scores [.., L]), which merging partial
+    results needs: torch's CPU flash-attention kernel, the one scaled_dot_product_attention runs on
+    CPU, called directly for its log-sum-exp. `bias` is additive, in q's dtype."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, False, attn_mask=bias, scale=scale)
 
 
 def paged_attention_reference(

@@ -67,3 +67,14 @@ def test_groups_form_only_where_they_save_enough_reads():
     plan = plan_paged_attention(starts, seq_lens, block_tables, BLOCK_SIZE, shared_prefix_min_saved_tokens=100)
     assert [sorted(g.token_index.tolist()) for g in plan.shared_prefix_groups] == [[0, 1, 2, 3, 4]]
     assert plan_paged_attention(starts, seq_lens, block_tables, BLOCK_SIZE).shared_prefix_groups == ()
+
+
+def test_rows_join_the_deepest_prefix_they_share():
+    """Every prompt starts with the same template block (1); rows 0-2 then share a document (blocks
+    10-12), rows 3-5 another (20-22): two groups over four blocks each, not one over the template."""
+    tables = [[1, 10, 11, 12, 30 + row] for row in range(3)] + [[1, 20, 21, 22, 40 + row] for row in range(3)]
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    seq_lens = [4 * BLOCK_SIZE + 3] * 6
+    plan = plan_paged_attention(list(range(7)), seq_lens, block_tables, BLOCK_SIZE, shared_prefix_min_saved_tokens=1)
+    groups = sorted((g.token_index.tolist(), g.prefix_blocks.tolist()) for g in plan.shared_prefix_groups)
+    assert groups == [([0, 1, 2], [1, 10, 11, 12]), ([3, 4, 5], [1, 20, 21, 22])]
