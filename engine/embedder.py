@@ -118,6 +118,7 @@ class Embedder:
         self.model.load_weights(iter_checkpoint(folder))
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_has_fast_bf16():
             self.model.pack_linears_for_cpu()  # oneDNN's blocked layout, and the FFN's GELU fused into its matmul
+            self.model.use_cpp_kernels()  # attention and LayerNorm, with AMX (built on first use)
         self.model.eval()
 
     @property

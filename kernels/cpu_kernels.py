@@ -4,7 +4,12 @@ Decode on a CPU is bound by memory bandwidth, and torch's composite ops pass ove
 times: the paged decode attention here reads K/V once straight through the block tables (the torch
 path gathers a padded copy first: three passes), with an online softmax per block and all query
 heads of a kv head at a time; the RMSNorm fuses the residual add and the float32 statistics into one
-pass per row. Their oracles are `paged_attention_reference` and the model's torch RMSNorm.
+pass per row. Their oracles are `paged_attention_reference` and the model's torch RMSNorm. The
+encoder attention of the embedding models attends packed sequences of any lengths with AMX tile
+matmuls, unpadded and unmasked: over the 17 batches of `bench.embeddings`' 1,000 chunks (16-256
+tokens, one thread) 215 ms against 458 ms for torch's flash attention on groups padded to multiples
+of 16; its oracle is exact attention per sequence, which it meets as closely as torch's flash kernel.
+Their bf16 LayerNorm reads each row once (torch's: 1.7x the time); its oracle is torch's.
 
 The extension compiles with torch's cpp_extension (ninja + the system C++ compiler) into
 `$TORCH_EXTENSIONS_DIR`, once per machine and source version. Where it cannot be built,
@@ -65,3 +70,24 @@ def paged_decode_attention(
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x (+ residual, which is then updated in place to x + residual)."""
     return _kernels().rms_norm(x, residual, weight, eps)
+
+
+def encoder_kernels_available() -> bool:
+    """Whether `encoder_attention` and `layer_norm` run here: the kernels built with AMX on a CPU that has it."""
+    kernels = load_cpu_kernels()
+    return kernels is not None and kernels.encoder_kernels_available()
+
+
+def encoder_attention(
+    qkv: torch.Tensor,  # [rows, 3 * heads * 32] bf16: q, k, v of each token
+    seq_starts: torch.Tensor,  # [B + 1] int64: sequence i is rows seq_starts[i]:seq_starts[i + 1], from row 0
+    num_heads: int,  # at most 16
+    scale: float,
+) -> torch.Tensor:  # [rows, heads * 32]; rows past the last sequence are zero
+    """Bidirectional attention within each sequence; bf16, head_dim 32, AMX only."""
+    return _kernels().encoder_attention(qkv, seq_starts, num_heads, scale)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension (bf16, a multiple of 16 wide, at most 1024), float32 inside."""
+    return _kernels().layer_norm(x, weight, bias, eps)

@@ -17,8 +17,9 @@ from engine import Embedder
 from engine.config import EmbedderConfig, EncoderConfig
 from engine.dtypes import cpu_has_fast_bf16
 from engine.embedder import SentenceEmbeddingRecipe
-from engine.embedding_model import EncoderModel, pool
+from engine.embedding_model import AttentionLayout, EncoderModel, pool, stable_row_count
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, resolve_embedding_model
+from kernels.cpu_kernels import encoder_kernels_available
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer  # a test-only dependency
@@ -107,9 +108,11 @@ def test_token_counts_follow_sentence_transformers_truncation(
 
 @pytest.mark.slow
 def test_bfloat16_stays_close_to_float32_sentence_transformers(expected: np.ndarray) -> None:
-    """On a CPU with fast bf16 this runs the oneDNN-prepacked projections with the GELU fused."""
+    """On a CPU with fast bf16 this runs the oneDNN-prepacked projections with the GELU fused, and with AMX
+    the C++ attention and LayerNorm kernels."""
     embedder = Embedder(dtype="bfloat16", device="cpu", config=EmbedderConfig(max_batch_tokens=300))
     assert (embedder.model.layers[0].intermediate.packed_weight is not None) == cpu_has_fast_bf16()
+    assert embedder.model.cpp_kernels == (cpu_has_fast_bf16() and encoder_kernels_available())
     assert (cosines(embedder.embed(TEXTS).vectors, expected) >= 0.999).all()
 
 
@@ -166,6 +169,24 @@ def test_pooling_matches_sentence_transformers_pooling(modes: tuple[str, ...]) -
     module = models.Pooling(16, pooling_mode=modes[0] if len(modes) == 1 else modes)
     expected = module({"token_embeddings": padded, "attention_mask": mask})["sentence_embedding"]
     torch.testing.assert_close(pool(tokens, torch.tensor(seq_lens), modes), expected)
+
+
+def test_attention_layout_pads_sequences_for_attention_only() -> None:
+    seq_lens = [17, 3, 32, 20, 16]  # 88 stream rows, then 8 that belong to no sequence
+    layout = AttentionLayout.build(seq_lens, 96, stable_row_count, torch.device("cpu"))
+    real_keys = [None if mask is None else mask.flatten(1).sum(1).tolist() for _, _, mask in layout.groups]
+    assert [(count, length) for count, length, _ in layout.groups] == [(3, 32), (2, 16)]
+    assert real_keys == [[17, 32, 20], [3, 16]]  # per sequence; its padding keys are masked
+    assert layout.gather[layout.scatter[:88]].tolist() == list(range(88))  # each token's padded row holds it
+    assert layout.gather.numel() == stable_row_count(3 * 32 + 2 * 16)
+    unpadded = AttentionLayout.build([16, 32], 48, stable_row_count, torch.device("cpu"))
+    assert unpadded.groups == [(1, 16, None), (1, 32, None)]
+
+
+def test_stable_row_counts_add_a_sixteenth_at_most_and_few_shapes() -> None:
+    counts = {rows: stable_row_count(rows) for rows in range(256, 16385)}
+    assert all(rows <= count <= rows * 17 / 16 for rows, count in counts.items())
+    assert len(set(counts.values())) == 1 + 16 * 6  # 256, then 16 sizes per doubling up to 16384
 
 
 def write_folder(folder: Path, files: dict[str, object]) -> Path:

@@ -1,5 +1,7 @@
 """The C++ CPU kernels against their torch oracles, on random (never zero) inputs with ragged
-lengths, block-boundary lengths, GQA ratios 1/3/4/8 and both dtypes; outputs poisoned first."""
+lengths, block-boundary lengths, GQA ratios 1/3/4/8 and both dtypes; outputs poisoned first.
+The AMX encoder attention (bf16 only) against exact attention, as close as torch's flash kernel;
+the bf16 LayerNorm against torch's."""
 
 from __future__ import annotations
 
@@ -7,7 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernels import load_cpu_kernels, paged_decode_attention, rms_norm
+from kernels.cpu_kernels import (
+    encoder_attention,
+    encoder_kernels_available,
+    layer_norm,
+    load_cpu_kernels,
+    paged_decode_attention,
+    rms_norm,
+)
 from kernels.paged_attention import paged_attention_reference
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
@@ -81,3 +90,32 @@ def test_rms_norm_matches_the_torch_expression(dtype, rows, with_residual):
     if with_residual:
         assert torch.equal(given_residual, summed), "the residual must be updated to x + residual"
     torch.testing.assert_close(out, F.rms_norm(summed, (576,), weight, 1e-5), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not encoder_kernels_available(), reason="needs a CPU with AMX")
+@pytest.mark.parametrize("num_heads", [1, 12])
+def test_encoder_attention_is_as_close_to_exact_as_torch_flash_attention(num_heads):
+    """Packed sequences across every tile boundary (16 keys, 32 queries), then rows of no sequence."""
+    generator = torch.Generator().manual_seed(num_heads)
+    seq_lens = [1, 5, 16, 17, 31, 32, 33, 100, 256]
+    starts = [0, *torch.tensor(seq_lens).cumsum(0).tolist()]
+    qkv = (2 * torch.randn(starts[-1] + 3, 3 * num_heads * 32, generator=generator)).to(torch.bfloat16)
+    out = encoder_attention(qkv, torch.tensor(starts), num_heads, 32**-0.5)
+    assert out.shape == (starts[-1] + 3, num_heads * 32) and out.dtype == torch.bfloat16
+    for start, stop in zip(starts, starts[1:]):
+        q, k, v = qkv[start:stop].view(1, stop - start, 3, num_heads, 32).permute(2, 0, 3, 1, 4)
+        exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+        flash_error = (F.scaled_dot_product_attention(q, k, v).double() - exact).abs().max().item()
+        ours = out[start:stop].view(1, stop - start, num_heads, 32).transpose(1, 2).double()
+        assert (ours - exact).abs().max().item() <= max(flash_error, 2**-8), (start, stop)
+    assert (out[starts[-1] :] == 0).all()
+
+
+@pytest.mark.skipif(not encoder_kernels_available(), reason="needs a CPU with AMX")
+@pytest.mark.parametrize(("rows", "size"), [(1, 16), (7, 384), (300, 1024)])
+def test_layer_norm_matches_torch_in_bfloat16(rows, size):
+    generator = torch.Generator().manual_seed(rows)
+    x, weight, bias = (torch.randn(n, generator=generator) for n in (rows * size, size, size))
+    x, weight, bias = (3 * x + 1).view(rows, size).bfloat16(), weight.bfloat16(), bias.bfloat16()
+    expected = F.layer_norm(x, (size,), weight, bias, 1e-12)
+    torch.testing.assert_close(layer_norm(x, weight, bias, 1e-12), expected, atol=1e-3, rtol=2**-7)  # one bf16 step
