@@ -18,6 +18,7 @@ The extension compiles with torch's cpp_extension (ninja + the system C++ compil
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from functools import cache
 from pathlib import Path
@@ -36,8 +37,11 @@ def load_cpu_kernels() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
+        # The source's hash in the name: checkouts of different versions on one machine (a CI clone beside a
+        # working tree) each get their own build instead of rebuilding, or loading, one another's.
+        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
         return cpp_extension.load(
-            name="conveyor_cpu_kernels",
+            name=f"conveyor_cpu_kernels_{digest}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
