@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCaches
 from engine.models.llama import LlamaForCausalLM
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:

@@ -8,6 +8,8 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [num_blocks, block_size, kv_heads, head_dim]
+
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.tensor([], dtype=dtype).element_size()
@@ -45,7 +47,7 @@ def num_kv_blocks(model: ModelConfig, config: EngineConfig, device: torch.device
 
 def allocate_kv_cache(
     model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+) -> KVCaches:
     shape = (2, num_blocks, block_size, model.num_key_value_heads, model.head_dim)
     return [tuple(_zeros(shape, dtype, device).unbind(0)) for _ in range(model.num_hidden_layers)]
 
@@ -59,7 +61,7 @@ def num_host_blocks(model: ModelConfig, config: EngineConfig, dtype: torch.dtype
 
 def allocate_host_kv_cache(
     model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+) -> KVCaches:
     """The host pool mirrors the device pool's layout. Pinned when the device is a GPU, so blocks
     cross PCIe by DMA at full speed; a CPU engine's host pool is plain (lazily committed) memory."""
     if num_blocks == 0:

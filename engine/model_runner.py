@@ -11,13 +11,12 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.dtypes import KernelBackend
+from engine.kv_cache import KVCaches
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.transfer import to_device
 from kernels.block_copy import copy_blocks, copy_blocks_reference, swap_blocks, swap_blocks_reference
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [num_blocks, block_size, kv_heads, head_dim]
 
 
 class ModelRunner:
