@@ -6,15 +6,18 @@ import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from redis import Redis
 from starlette.concurrency import run_in_threadpool
 
-from api import batches, files, rag, schedules, webhooks
+from api import batches, files, models, rag, schedules, webhooks
 from api.auth import KeyCache
+from api.deps import reject_unknown_query_parameters
 from api.errors import install_error_handlers
 from api.observability import install_observability
+from api.openapi import install_openapi
 from jobs.db import make_engine, make_session_factory
+from jobs.served_models import ModelRegistry
 from jobs.settings import Settings
 from jobs.stop_flags import StopFlags
 from jobs.storage import ObjectStore
@@ -37,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(
         lifespan=lifespan,
+        dependencies=[Depends(reject_unknown_query_parameters)],
         title="conveyor",
         summary="OpenAI-compatible batch inference: Files and Batches APIs.",
         version="0.1.0",
@@ -50,12 +54,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.write_sessions = make_session_factory(database)
     app.state.keys = KeyCache(app.state.read_sessions)
     app.state.store = store
-    app.state.stop_flags = StopFlags(Redis.from_url(settings.redis_url), settings.redis_prefix)
+    redis = Redis.from_url(settings.redis_url)
+    app.state.stop_flags = StopFlags(redis, settings.redis_prefix)
+    app.state.models = ModelRegistry(redis, settings.redis_prefix)
     install_error_handlers(app)
+    app.include_router(models.router)
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(webhooks.router)
     app.include_router(schedules.router)
     app.include_router(rag.router)
     install_observability(app, settings)
+    install_openapi(app)
     return app

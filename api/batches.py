@@ -5,23 +5,28 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from sqlalchemy.orm import Session
 
 from api.auth import ProjectDep
+from api.creation import IdempotencyKeyHeader, create_once, start_validation
 from api.deps import ReadSessionsDep, SettingsDep, StopFlagsDep, WriteSessionsDep
 from api.schemas import BatchObject, CreateBatch, ListPage
-from jobs import batches
+from jobs import batches, enqueue
 from jobs.pagination import MAX_PAGE_SIZE
 from jobs.stop_flags import StopReason
-from jobs.tasks import enqueue_finalize, enqueue_validate
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 
 @router.post("", response_model=BatchObject)
 def create_batch(
-    body: CreateBatch, sessions: WriteSessionsDep, settings: SettingsDep, project_id: ProjectDep
+    body: CreateBatch,
+    sessions: WriteSessionsDep,
+    settings: SettingsDep,
+    project_id: ProjectDep,
+    idempotency_key: IdempotencyKeyHeader = None,
 ) -> BatchObject:
-    with sessions.begin() as session:
+    def create(session: Session) -> BatchObject:
         batch = batches.create_batch(
             session,
             project_id,
@@ -31,9 +36,16 @@ def create_batch(
             metadata=body.metadata,
             priority=body.priority,
             window_seconds=settings.completion_window_seconds,
+            output_expires_after_seconds=body.output_expires_after.seconds if body.output_expires_after else None,
         )
-    enqueue_validate(batch.id)
-    return BatchObject.of(batch)
+        return BatchObject.of(batch)
+
+    answer, created = create_once(
+        sessions, project_id, idempotency_key, "POST /v1/batches", body.model_dump(mode="json"), BatchObject, create
+    )
+    if created:
+        start_validation(sessions, answer.id)
+    return answer
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
@@ -63,5 +75,5 @@ def cancel_batch(
         batch, finalize_now = batches.request_cancel(session, project_id, batch_id)
     if finalize_now:
         stop_flags.raise_flag(batch.id, StopReason.cancelled)  # running chunks abort their requests on seeing it
-        enqueue_finalize(batch.id)
+        enqueue.finalize(batch.id)
     return BatchObject.of(batch)

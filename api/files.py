@@ -8,15 +8,20 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from sqlalchemy.orm import Session
+
 from api.auth import ProjectDep
+from api.creation import IdempotencyKeyHeader, create_once
 from api.deps import ReadSessionsDep, SettingsDep, StoreDep, WriteSessionsDep
 from api.schemas import DeletedFile, FileObject, ListPage
-from api.upload import receive_form
-from jobs import files
+from api.upload import FormLimits, UploadedForm, receive_form
+from jobs import files, idempotency
 from jobs.errors import ServiceError
-from jobs.models import new_id
+from jobs.db import SessionFactory
+from jobs.models import FilePurpose, new_id, utcnow
 from jobs.object_keys import file_key
 from jobs.pagination import MAX_PAGE_SIZE
+from jobs.storage import ObjectStore
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -34,9 +39,21 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers around the f
                     "schema": {
                         "type": "object",
                         "required": ["file", "purpose"],
+                        "additionalProperties": False,
                         "properties": {
                             "file": {"type": "string", "format": "binary"},
                             "purpose": {"type": "string", "enum": [p.value for p in files.UPLOADABLE_PURPOSES]},
+                            "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                            "expires_after[seconds]": {
+                                "type": "integer",
+                                "minimum": files.MIN_EXPIRY_SECONDS,
+                                "maximum": files.MAX_EXPIRY_SECONDS,
+                            },
+                        },
+                        # OpenAI's expires_after is one object: its anchor and seconds come together.
+                        "dependentRequired": {
+                            "expires_after[anchor]": ["expires_after[seconds]"],
+                            "expires_after[seconds]": ["expires_after[anchor]"],
                         },
                     }
                 }
@@ -45,40 +62,106 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers around the f
     },
 )
 async def upload_file(
-    request: Request, sessions: WriteSessionsDep, store: StoreDep, settings: SettingsDep, project_id: ProjectDep
+    request: Request,
+    sessions: WriteSessionsDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    project_id: ProjectDep,
+    idempotency_key: IdempotencyKeyHeader = None,
 ) -> FileObject:
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES:
+    declared = request.headers.get("content-length") or "0"
+    if not declared.isdigit():
+        raise ServiceError("invalid_request", f"Content-Length must be a number of bytes, got {declared!r}")
+    if int(declared) > settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES:
         raise ServiceError(
             "too_large",
             f"the file is larger than this server's limit of {settings.max_upload_bytes} bytes",
             param="file",
         )
+    limits = FormLimits(
+        max_file_bytes=settings.max_upload_bytes,
+        max_field_bytes=settings.max_form_field_bytes,
+        max_header_bytes=settings.max_form_part_header_bytes,
+    )
+    if idempotency_key is not None and await run_in_threadpool(_key_used, sessions, project_id, idempotency_key):
+        # A retry: its file is read to compare with the first one, and stored nowhere.
+        form = await receive_form(request, _Discard(), limits)
+        return await run_in_threadpool(_record_once, sessions, store, project_id, idempotency_key, form, None)
     file_id = new_id("file-")
     key = file_key(project_id, file_id)
     upload = await run_in_threadpool(store.upload_stream, key)
     try:
-        form = await receive_form(request, upload, settings.max_upload_bytes)
-        purpose = files.parse_upload_purpose(form.fields.get("purpose"))
+        form = await receive_form(request, upload, limits)
+        files.parse_upload_purpose(form.fields.get("purpose"))  # refused before the bytes are kept
+        files.upload_expiry(form.fields, utcnow())
         await run_in_threadpool(upload.complete)
     except BaseException:
         await run_in_threadpool(upload.abort)
         raise
+    return await run_in_threadpool(_record_once, sessions, store, project_id, idempotency_key, form, (file_id, key))
 
-    def record() -> FileObject:
-        with sessions.begin() as session:
-            row = files.record_file(
-                session,
-                file_id=file_id,
-                project_id=project_id,
-                filename=form.filename,
-                purpose=purpose,
-                size=form.size,
-                object_key=key,
+
+class _Discard:
+    def write(self, data: bytes) -> None:
+        pass
+
+
+def _key_used(sessions: SessionFactory, project_id: str, key: str) -> bool:
+    with sessions() as session:
+        return idempotency.key_exists(session, project_id, key)
+
+
+def _record_once(
+    sessions: SessionFactory,
+    store: ObjectStore,
+    project_id: str,
+    idempotency_key: str | None,
+    form: UploadedForm,
+    uploaded: tuple[str, str] | None,
+) -> FileObject:
+    """Record the uploaded file (id, object key), or answer the first upload made with this idempotency key; an
+    upload that turns out to be a retry is deleted from the store."""
+    purpose = files.parse_upload_purpose(form.fields.get("purpose"))
+    created_at = utcnow()
+    expires_at = files.upload_expiry(form.fields, created_at)
+    parameters = {
+        "purpose": purpose.value,
+        "filename": form.filename,
+        "bytes": form.size,
+        "sha256": form.sha256,
+        "expires_after_seconds": None if expires_at is None else (expires_at - created_at).total_seconds(),
+    }
+
+    def create(session: Session) -> FileObject:
+        if uploaded is None:  # the key was used, but with another file (replay raised 409 before this) or has expired
+            raise ServiceError(
+                "conflict", f"{idempotency.HEADER} {idempotency_key!r} expired meanwhile; retry", code="idempotency_retry"
             )
+        file_id, key = uploaded
+        row = files.record_file(
+            session,
+            file_id=file_id,
+            project_id=project_id,
+            filename=form.filename,
+            purpose=purpose,
+            size=form.size,
+            object_key=key,
+            created_at=created_at,
+            expires_at=expires_at,
+        )
         return FileObject.of(row)
 
-    return await run_in_threadpool(record)
+    try:
+        answer, created = create_once(
+            sessions, project_id, idempotency_key, "POST /v1/files", parameters, FileObject, create
+        )
+    except Exception:  # not recorded (a file name PostgreSQL cannot store, say): its bytes go too
+        if uploaded is not None:
+            store.delete(uploaded[1])
+        raise
+    if not created and uploaded is not None:
+        store.delete(uploaded[1])
+    return answer
 
 
 @router.get("", response_model=ListPage[FileObject])
@@ -88,10 +171,12 @@ def list_files(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = MAX_PAGE_SIZE,
     order: Literal["asc", "desc"] = "desc",
-    purpose: str | None = None,
+    purpose: FilePurpose | None = None,
 ) -> ListPage[FileObject]:
     with sessions() as session:
-        page = files.list_files(session, project_id, after=after, limit=limit, order=order, purpose=purpose)
+        page = files.list_files(
+            session, project_id, after=after, limit=limit, order=order, purpose=None if purpose is None else purpose.value
+        )
     data = [FileObject.of(row) for row in page.rows]
     return ListPage.of(data, page.has_more)
 
@@ -102,7 +187,16 @@ def retrieve_file(file_id: str, sessions: ReadSessionsDep, project_id: ProjectDe
         return FileObject.of(files.get_file(session, project_id, file_id))
 
 
-@router.get("/{file_id}/content", response_class=StreamingResponse)
+@router.get(
+    "/{file_id}/content",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "The file's bytes",
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
+)
 def download_file(file_id: str, sessions: ReadSessionsDep, store: StoreDep, project_id: ProjectDep) -> StreamingResponse:
     with sessions() as session:
         row = files.get_file(session, project_id, file_id)

@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from redis import Redis
 
-from jobs.celery_app import CONTROL_QUEUE, GPU_QUEUE, celery_app
-from jobs.health import PROBE_TIMEOUT_SECONDS, ReadinessProbe
-from jobs.service_metrics import ServiceCollector
+from jobs.celery_app import CONTROL_QUEUE, celery_app
+from jobs.served_models import UNROUTED_QUEUE, ModelRegistry, model_queue
+from jobs.telemetry.health import PROBE_TIMEOUT_SECONDS, ReadinessProbe
+from jobs.telemetry.service_metrics import ServiceCollector
 from jobs.settings import Settings
 
 router = APIRouter(tags=["operations"])
@@ -23,13 +24,14 @@ def install_observability(app: FastAPI, settings: Settings) -> None:
     redis = Redis.from_url(
         settings.redis_url, socket_connect_timeout=PROBE_TIMEOUT_SECONDS, socket_timeout=PROBE_TIMEOUT_SECONDS
     )
+    models = ModelRegistry(redis, settings.redis_prefix)
     registry = CollectorRegistry()
     registry.register(
         ServiceCollector(
             app.state.read_sessions,
             redis,
             settings.redis_prefix,
-            [GPU_QUEUE, CONTROL_QUEUE],
+            lambda: [UNROUTED_QUEUE, CONTROL_QUEUE, *(model_queue(model.id) for model in models.served())],
             celery_app.conf.broker_transport_options or {},
         )
     )
@@ -44,7 +46,10 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    responses={503: {"description": "A backing service is unreachable", "content": {"application/json": {"schema": {}}}}},
+)
 def readyz(request: Request) -> JSONResponse:
     checks = request.app.state.readiness.check()
     failed = [check.name for check in checks if not check.ok]
@@ -56,6 +61,10 @@ def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=503 if failed else 200)
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
 def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)

@@ -7,13 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from api.auth import ProjectDep
+from api.creation import start_validation
 from api.deps import ReadSessionsDep, SettingsDep, StopFlagsDep, StoreDep, WriteSessionsDep
 from api.schemas import CreateRagJob, ListPage, RagJobObject
-from jobs import batches
+from jobs import batches, enqueue
 from jobs.pagination import MAX_PAGE_SIZE
 from jobs.rag import jobs as rag_jobs
 from jobs.stop_flags import StopReason
-from jobs.tasks import enqueue_finalize, enqueue_validate
 
 router = APIRouter(prefix="/v1/rag/jobs", tags=["rag"])
 
@@ -27,7 +27,7 @@ def create_rag_job(
     prepared = rag_jobs.prepare_rag_job(store, settings.s3, project_id, spec, settings.embedding_model)
     with sessions.begin() as session:
         job = rag_jobs.add_rag_job(session, project_id, spec, prepared, settings.completion_window_seconds)
-    enqueue_validate(job.id)
+    start_validation(sessions, job.id)
     return RagJobObject.of(job)
 
 
@@ -57,5 +57,5 @@ def cancel_rag_job(
         job, finalize_now = batches.request_cancel(session, project_id, job_id, rag_job=True)
     if finalize_now:
         stop_flags.raise_flag(job.id, StopReason.cancelled)  # running chunks stop between documents on seeing it
-        enqueue_finalize(job.id)
+        enqueue.finalize(job.id)
     return RagJobObject.of(job)

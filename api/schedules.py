@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query
 from api.auth import ProjectDep
 from api.deps import ReadSessionsDep, SettingsDep, WriteSessionsDep
 from api.schemas import CreateSchedule, DeletedSchedule, ListPage, ScheduleObject, ScheduleRunObject
-from jobs import schedules
+from jobs.schedules import definitions as schedules
 from jobs.pagination import MAX_PAGE_SIZE
 
 router = APIRouter(prefix="/v1/schedules", tags=["schedules"])

@@ -7,12 +7,15 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from jobs.files import MAX_EXPIRY_SECONDS, MIN_EXPIRY_SECONDS
+from jobs.openai_format.requests import Endpoint
+from jobs.batches import MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS, MAX_PRIORITY, MIN_PRIORITY
 from jobs.models import Batch, File, Schedule, ScheduleFire, WebhookAttempt, WebhookEndpoint
 from jobs.rag.jobs import RagJobSpec, has_manifest, manifest_file_id
-from jobs.schedules import ScheduleSpec, inbox_uri, run_id
+from jobs.schedules.definitions import ScheduleSpec, ScheduleTemplate, inbox_uri, run_id
 from jobs.settings import S3Settings
-from jobs.webhook_signing import secret_hint
-from jobs.webhooks import ENDPOINT_NAME_MAX_LENGTH, DeliveryHistory
+from jobs.webhooks.signing import secret_hint
+from jobs.webhooks.endpoints import ENDPOINT_NAME_MAX_LENGTH, DeliveryHistory
 
 ItemT = TypeVar("ItemT")
 
@@ -40,6 +43,7 @@ class FileObject(BaseModel):
             created_at=int(row.created_at.timestamp()),
             filename=row.filename,
             purpose=row.purpose.value,
+            expires_at=_unix(row.expires_at),
         )
 
 
@@ -62,21 +66,54 @@ class ListPage(BaseModel, Generic[ItemT]):
         return cls(data=data, first_id=ids[0] if ids else None, last_id=ids[-1] if ids else None, has_more=has_more)
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's `expires_after`: `seconds` after the file's creation (the only anchor OpenAI has)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_EXPIRY_SECONDS, le=MAX_EXPIRY_SECONDS)
+
+
+MetadataKey = Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)]
+MetadataValue = Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA_PAIRS)]
+
+
 class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = None
-    # Not in OpenAI's API (SDKs send it with extra_body): lower runs first, from -100 to 100.
-    priority: int = 0
+    endpoint: Endpoint
+    completion_window: Literal["24h"]
+    metadata: Metadata | None = None
+    output_expires_after: ExpiresAfter | None = None  # the output and error files' lifetime; None: kept until deleted
+    # Not in OpenAI's API (SDKs send it with extra_body): lower runs first.
+    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
 
 class RequestCounts(BaseModel):
     total: int
     completed: int
     failed: int
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV the engine's prefix cache already held
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # no served model reasons apart from its answer
+
+
+class BatchUsage(BaseModel):
+    """OpenAI's Batch `usage`: the answered lines' tokens, kept current as chunks finish."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
 
 
 class BatchErrorEntry(BaseModel):
@@ -113,6 +150,8 @@ class BatchObject(BaseModel):
     request_counts: RequestCounts
     metadata: dict[str, str] | None = Field(default=None)
     priority: int = 0
+    model: str | None = None  # the served model its lines resolve to (set when validation starts)
+    usage: BatchUsage | None = None
 
     @classmethod
     def of(cls, row: Batch) -> "BatchObject":
@@ -140,6 +179,14 @@ class BatchObject(BaseModel):
             ),
             metadata=row.batch_metadata,
             priority=row.priority,
+            model=row.model,
+            usage=BatchUsage(
+                input_tokens=row.input_tokens or 0,
+                input_tokens_details=InputTokensDetails(cached_tokens=row.cached_tokens or 0),
+                output_tokens=row.output_tokens or 0,
+                output_tokens_details=OutputTokensDetails(),
+                total_tokens=(row.input_tokens or 0) + (row.output_tokens or 0),
+            ),
         )
 
 
@@ -210,7 +257,7 @@ class RagJobObject(BaseModel):
     def of(cls, row: Batch) -> "RagJobObject":
         batch = BatchObject.of(row)
         return cls(
-            **batch.model_dump(exclude={"id", "object", "endpoint", "errors"}),
+            **batch.model_dump(exclude={"id", "object", "endpoint", "errors", "model", "usage"}),
             id=row.id,
             errors=batch.errors,
             options=row.rag_options or {},
@@ -219,20 +266,9 @@ class RagJobObject(BaseModel):
         )
 
 
-class CreateSchedule(BaseModel):
+class CreateSchedule(ScheduleTemplate):
     model_config = ConfigDict(extra="forbid")
 
-    cron: str = Field(description="five cron fields (minute hour day-of-month month day-of-week), e.g. '0 2 * * *'")
-    timezone: str = Field(default="UTC", description="IANA time zone the cron fields are read in")
-    endpoint: str = Field(description="a batch endpoint, or '/v1/rag/jobs' for a RAG job with rag_options")
-    completion_window: str
-    input_file_id: str | None = Field(default=None, description="an uploaded file; or give input_prefix")
-    input_prefix: str | None = Field(
-        default=None, description="every object under this prefix of the project's inbox, concatenated at each fire"
-    )
-    metadata: dict[str, str] | None = None
-    priority: int = Field(default=0, description="the batches' engine priority: lower runs first")
-    webhook_endpoint_id: str | None = None
     rag_options: RagJobOptions | None = Field(default=None, description="POST /v1/rag/jobs's options")
 
     def spec(self) -> ScheduleSpec:
@@ -242,19 +278,10 @@ class CreateSchedule(BaseModel):
         )
 
 
-class ScheduleObject(BaseModel):
+class ScheduleObject(ScheduleTemplate):
     id: str
     object: Literal["schedule"] = "schedule"
-    cron: str
-    timezone: str
-    endpoint: str
-    completion_window: str
-    input_file_id: str | None
-    input_prefix: str | None
     input_uri: str | None  # where the project's tools put the objects an input_prefix reads
-    metadata: dict[str, str] | None
-    priority: int
-    webhook_endpoint_id: str | None
     rag_options: dict[str, Any] | None  # a RAG template's options, defaults filled in; None for a batch template
     paused: bool
     next_fire_at: int
@@ -310,13 +337,24 @@ class ScheduleRunObject(BaseModel):
         )
 
 
+EndpointName = Annotated[str, Field(min_length=1, max_length=ENDPOINT_NAME_MAX_LENGTH)]
+
+
+class WebhookEndpointFields(BaseModel):
+    """OpenAI's webhook endpoint fields, as an endpoint has them; the request bodies below take each as optional."""
+
+    url: str = Field(description="http(s) URL that receives the events; must resolve to a public address")
+    name: EndpointName
+    event_types: list[str] = Field(description="the batch.* event types sent to it")
+
+
 class UpdateWebhookEndpoint(BaseModel):
-    """OpenAI's webhook endpoint fields; what is left out is kept."""
+    """OpenAI's webhook endpoint fields (`WebhookEndpointFields`); what is left out is kept."""
 
     model_config = ConfigDict(extra="forbid")
 
     url: str | None = Field(default=None, description="http(s) URL that receives the events; must resolve publicly")
-    name: Annotated[str, Field(min_length=1, max_length=ENDPOINT_NAME_MAX_LENGTH)] | None = None
+    name: EndpointName | None = None
     # `events` is the name /v1/webhooks was first specified with; OpenAI's SDK sends `event_types`.
     event_types: list[str] | None = Field(
         default=None,
@@ -337,14 +375,11 @@ class RotateWebhookSecret(BaseModel):
     keep_old_secret_active_for_24_hours: bool = False
 
 
-class WebhookEndpointObject(BaseModel):
+class WebhookEndpointObject(WebhookEndpointFields):
     """OpenAI's WebhookEndpoint."""
 
     id: str
     object: Literal["webhook_endpoint"] = "webhook_endpoint"
-    url: str
-    name: str
-    event_types: list[str]
     signing_secret_hint: str
     created_at: int
     updated_at: int

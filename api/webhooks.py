@@ -23,10 +23,10 @@ from api.schemas import (
     WebhookEndpointObject,
     WebhookEndpointWithSecret,
 )
-from jobs import webhooks
+from jobs.webhooks import endpoints
 from jobs.errors import ServiceError
 from jobs.pagination import MAX_PAGE_SIZE
-from jobs.webhook_targets import AllowList
+from jobs.webhooks.targets import AllowList
 
 PREFIXES = ("/v1/webhook_endpoints", "/v1/webhooks")
 
@@ -41,7 +41,7 @@ def create_webhook(
 ) -> WebhookEndpointWithSecret:
     allow_list = AllowList.parse(settings.webhook_allowed_hosts)
     with sessions.begin() as session:
-        endpoint = webhooks.create_endpoint(
+        endpoint = endpoints.create_endpoint(
             session, project_id, url=body.url, name=body.name, events=body.event_types, allow_list=allow_list
         )
     return WebhookEndpointWithSecret.of(endpoint)
@@ -52,14 +52,14 @@ def list_webhooks(
     sessions: ReadSessionsDep, project_id: ProjectDep, after: str | None = None, limit: PageLimit = 20
 ) -> ListPage[WebhookEndpointObject]:
     with sessions() as session:
-        page = webhooks.list_endpoints(session, project_id, after=after, limit=limit)
+        page = endpoints.list_endpoints(session, project_id, after=after, limit=limit)
     return ListPage.of([WebhookEndpointObject.of(row) for row in page.rows], page.has_more)
 
 
 @endpoint_routes.get("/{webhook_id}", response_model=WebhookEndpointObject)
 def retrieve_webhook(webhook_id: str, sessions: ReadSessionsDep, project_id: ProjectDep) -> WebhookEndpointObject:
     with sessions() as session:
-        return WebhookEndpointObject.of(webhooks.get_endpoint(session, project_id, webhook_id))
+        return WebhookEndpointObject.of(endpoints.get_endpoint(session, project_id, webhook_id))
 
 
 @endpoint_routes.post("/{webhook_id}", response_model=WebhookEndpointObject)
@@ -72,7 +72,7 @@ def update_webhook(
 ) -> WebhookEndpointObject:
     allow_list = AllowList.parse(settings.webhook_allowed_hosts)
     with sessions.begin() as session:
-        endpoint = webhooks.update_endpoint(
+        endpoint = endpoints.update_endpoint(
             session,
             project_id,
             webhook_id,
@@ -96,14 +96,14 @@ def rotate_webhook_secret(
             param="keep_old_secret_active_for_24_hours",
         )
     with sessions.begin() as session:
-        endpoint = webhooks.rotate_secret(session, project_id, webhook_id)
+        endpoint = endpoints.rotate_secret(session, project_id, webhook_id)
     return WebhookEndpointWithSecret.of(endpoint)
 
 
 @endpoint_routes.delete("/{webhook_id}", response_model=DeletedWebhookEndpoint)
 def delete_webhook(webhook_id: str, sessions: WriteSessionsDep, project_id: ProjectDep) -> DeletedWebhookEndpoint:
     with sessions.begin() as session:
-        webhooks.delete_endpoint(session, project_id, webhook_id)
+        endpoints.delete_endpoint(session, project_id, webhook_id)
     return DeletedWebhookEndpoint(id=webhook_id)
 
 
@@ -116,7 +116,7 @@ def list_webhook_deliveries(
     limit: PageLimit = 20,
 ) -> ListPage[WebhookDeliveryObject]:
     with sessions() as session:
-        page = webhooks.list_deliveries(session, project_id, webhook_id, after=after, limit=limit)
+        page = endpoints.list_deliveries(session, project_id, webhook_id, after=after, limit=limit)
     return ListPage.of([WebhookDeliveryObject.of(history) for history in page.deliveries], page.has_more)
 
 

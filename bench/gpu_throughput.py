@@ -17,9 +17,18 @@ its own random init: with ignore_eos the weights do not change the speed), bfloa
   / time). Step times are the engine's own, host work included.
 - Decode attention kernel: kernels.decode_attention over random paged caches with Llama-3-8B's heads
   at 8k-32k contexts; K/V bytes read / kernel time, against the same copy bandwidth.
+- HF's attention implementation is pinned (--hf-attention, default sdpa; eager runs as paged|eager under
+  continuous batching) and generate_batch may not switch to a flash kernel that happens to be installed;
+  each table says which implementation ran.
 
-    python -m bench.gpu_throughput                       # the full run, on CUDA
-    python -m bench.gpu_throughput --models llama-3-8b   # one shape
+Each command below fits well inside the 10 minutes a lent GPU allows one command; each prints its
+H100 estimate first (a roofline: bytes at HBM bandwidth, prefill FLOPs at peak, plus HF's eager
+per-layer launch cost and the builds):
+
+    python -m bench.gpu_throughput --kernels             # the decode attention kernel alone
+    python -m bench.gpu_throughput --models qwen3-0.6b   # one model: conveyor and both HF baselines
+    python -m bench.gpu_throughput --models llama-3-8b
+    python -m bench.gpu_throughput                       # all of the above in one command (no time limit)
     python -m bench.gpu_throughput --smoke               # tiny shapes on the CPU, end to end in seconds
 """
 
@@ -52,10 +61,20 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 MODELS = ("qwen3-0.6b", "llama-3-8b")
-# Chosen by estimate, not yet measured: an HF static batch of 64 runs ~1,000 eager decode steps of 25-40 ms
-# on Llama-3-8B, so two batches keep each of its HF runs to a minute or two, and the whole command to about
-# ten minutes on an H100.
+# Chosen by the estimate below (`estimate_seconds`), not yet measured: HF's eager decode steps dominate, so
+# Llama-3-8B's HF runs take the first 128 requests (two static batches of 64).
 HF_MAX_REQUESTS = {"llama-3-8b": 128}
+HF_ATTENTION = ("sdpa", "eager")
+COMMAND_LIMIT_SECONDS = 600  # what a lent GPU allows one command
+# The H100 SXM's roofline, for the estimate: HBM3 bandwidth and dense bf16 tensor-core throughput.
+H100_BANDWIDTH = 3.35e12  # bytes/s
+H100_BF16_FLOPS = 989e12
+# Not a roofline term: an eager HF decoder layer launches ~25 kernels from Python per step (~0.8 ms),
+# which is what makes its decode steps 25-40 ms on Llama-3-8B at batch 64.
+HF_SECONDS_PER_LAYER_STEP = 0.8e-3
+CONVEYOR_FLOOR_FACTOR = 1.5  # conveyor's decode steps are budgeted at its target: within 1.5x of the floor
+BUILD_SECONDS = 60.0  # per model: conveyor's warm-up compiles and graph capture, HF's init on the GPU
+KERNEL_COMMAND_SECONDS = 60.0  # --kernels: ~10 compiles and 9 timed shapes of a few hundred ms each
 # Options left off the command line; --smoke swaps in tiny shapes on the CPU.
 FULL_DEFAULTS: dict[str, Any] = {
     "device": "cuda", "num_requests": 256, "prompt_len": [100, 1024], "output_len": [100, 1024], "hf_batch_size": 64,
@@ -105,6 +124,7 @@ class ModelReport:
     hf_requests: int
     results: list[BenchResult]  # conveyor first
     decode_steps: list[DecodeStep]
+    hf_attention: dict[str, str]  # HF side -> the attention implementation it ran with
 
     def ratio(self, hf_name: str) -> float:
         conveyor, hf = self.results[0], next(r for r in self.results if r.name == hf_name)
@@ -203,19 +223,24 @@ def bench_decode_attention(
     return KernelRun(batch, context, seconds, kv_bytes)
 
 
-def build_hf_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
-    """The same config.json, with transformers' own random init, on the device."""
+def build_hf_model(
+    hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device, attention: str
+) -> PreTrainedModel:
+    """The same config.json, with transformers' own random init, on the device, with the attention
+    implementation named (HF's default picks one from what is installed)."""
     import transformers
 
     config = transformers.AutoConfig.for_model(**hf_config)
     # Initialised on the device itself: initialising 8B parameters on the CPU takes minutes.
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     return model.eval()
 
 
-def run_hf_generate_batch(model: PreTrainedModel, requests: list[BenchRequest]) -> BenchResult:
-    """transformers' continuous batching with eos disabled, each request to its own length."""
+def run_hf_generate_batch(model: PreTrainedModel, requests: list[BenchRequest]) -> tuple[BenchResult, str]:
+    """transformers' continuous batching with eos disabled, each request to its own length, on the
+    model's attention implementation (never switched to a flash kernel that happens to be
+    installed). Returns the result and the implementation that ran."""
     import transformers
 
     if not hasattr(model, "continuous_batching_context_manager"):
@@ -238,13 +263,13 @@ def run_hf_generate_batch(model: PreTrainedModel, requests: list[BenchRequest]) 
         max_generated_length=longest_output,
         num_requests=len(requests),
     )
-    cache_config = None
+    cache_config = transformers.ContinuousBatchingConfig(auto_switch_to_flash=False)
     if model.device.type != "cuda":
         # HF sizes its KV cache from free memory; on the CPU that is 60% of RAM, allocated at start
         # (seconds). Sized to the workload instead, in HF's default 256-token blocks.
         tokens = sum(len(r.prompt_token_ids) + r.output_len for r in requests)
         cache_config = transformers.ContinuousBatchingConfig(
-            num_blocks=-(-tokens // 256) + len(requests), max_batch_tokens=256
+            num_blocks=-(-tokens // 256) + len(requests), max_batch_tokens=256, auto_switch_to_flash=False
         )
     with model.continuous_batching_context_manager(
         generation_config=generation_config,
@@ -252,12 +277,13 @@ def run_hf_generate_batch(model: PreTrainedModel, requests: list[BenchRequest]) 
         workload_hints=hints,
         block=True,
     ) as manager:
+        attention = model.config._attn_implementation  # what the manager runs ("eager" becomes "paged|eager")
         _run_to_completion(manager, [BenchRequest([1, 2, 3], 2)], "warm-up")
         start = time.perf_counter()
         produced = _run_to_completion(manager, requests, "bench")
         seconds = time.perf_counter() - start
     assert produced == sum(r.output_len for r in requests), "HF generate_batch stopped a request early"
-    return BenchResult("hf generate_batch", seconds, produced)
+    return BenchResult("hf generate_batch", seconds, produced), attention
 
 
 def _run_to_completion(manager: Any, requests: list[BenchRequest], prefix: str) -> int:
@@ -303,14 +329,16 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device, band
     if len(hf_requests) < len(requests):
         print(f"{label}: HF runs capped at the first {len(hf_requests)} of {len(requests)} requests", flush=True)
     print(f"{label}: HF static generate ...", flush=True)
-    hf_model = build_hf_model(resolve_model(model, "dummy").hf_config, dtype, device)
+    hf_model = build_hf_model(resolve_model(model, "dummy").hf_config, dtype, device, args.hf_attention)
+    static_attention = hf_model.config._attn_implementation
     static = run_hf_static(hf_model, hf_requests, args.hf_batch_size)
     release_memory(device)
     print(f"{label}: HF generate_batch ...", flush=True)
-    continuous = run_hf_generate_batch(hf_model, hf_requests)
+    continuous, continuous_attention = run_hf_generate_batch(hf_model, hf_requests)
     del hf_model
     release_memory(device)
-    return ModelReport(label, len(requests), len(hf_requests), [conveyor, static, continuous], steps)
+    attention = {static.name: static_attention, continuous.name: continuous_attention}
+    return ModelReport(label, len(requests), len(hf_requests), [conveyor, static, continuous], steps, attention)
 
 
 def release_memory(device: torch.device) -> None:
@@ -338,8 +366,10 @@ def format_model(report: ModelReport, args: argparse.Namespace) -> str:
     ]
     if report.hf_requests < report.num_requests:
         lines.append(f"HF ran the first {report.hf_requests} requests only (--hf-max-requests); ratios compare tok/s.")
+    ran = "; ".join(f"{name}: {implementation}" for name, implementation in report.hf_attention.items())
     lines += [
         "HF generate_batch: its continuous-batching manager, one max_new_tokens per request.",
+        f"HF attention implementation that ran: {ran} (asked for {args.hf_attention}).",
         "",
         markdown_table(
             ["decode-only steps", "steps", "median batch", "median step ms", "median floor ms", "median floor / step"],
@@ -393,7 +423,7 @@ def format_summary(
     step_target = f"{STEP_TARGET_MODEL}: decode step at batch >= {STEP_TARGET_BATCH} within 1.5x of the floor"
     step_report = next((r for r in reports if r.label == STEP_TARGET_MODEL), None)
     if step_report is None:
-        rows.append([step_target, f"not run ({STEP_TARGET_MODEL} not among --models)", "n/a"])
+        rows.append([step_target, f"not run (python -m bench.gpu_throughput --models {STEP_TARGET_MODEL})", "n/a"])
     elif not _large(step_report.decode_steps):
         rows.append([step_target, f"no decode step reached batch {STEP_TARGET_BATCH}", "n/a"])
     else:
@@ -402,7 +432,7 @@ def format_summary(
                      _met(fraction >= STEP_TARGET)])
     kernel_target = f"decode attention kernel >= {KERNEL_TARGET:.0%} of copy bandwidth"
     if kernel_runs is None:
-        rows.append([kernel_target, "not run", "n/a"])
+        rows.append([kernel_target, "not run (python -m bench.gpu_throughput --kernels)", "n/a"])
     else:
         fractions = [r.fraction(bandwidth) for r in kernel_runs]
         met = sum(f >= KERNEL_TARGET for f in fractions)
@@ -440,8 +470,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few short requests, on the CPU")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
+        "--models", nargs="+",
+        help=f"only these models: named dummy shapes or config.json folders (default: {' '.join(MODELS)}, then --kernels)",
+    )
+    only.add_argument("--kernels", action="store_true", help="only the decode attention kernel")
     parser.add_argument(
-        "--models", nargs="+", help=f"named dummy shapes or config.json folders (default: {' '.join(MODELS)})"
+        "--hf-attention", choices=HF_ATTENTION, default="sdpa", help="HF's attention implementation (default sdpa)"
     )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", help=f"default: {FULL_DEFAULTS['device']}; --smoke: {SMOKE_DEFAULTS['device']}")
@@ -467,19 +503,89 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("no CUDA device here; `python -m bench.gpu_throughput --smoke` runs the CPU smoke version")
     torch.manual_seed(args.seed)
     print(f"device: {describe_device(device)}; dtype {args.dtype}" + ("; smoke run" if args.smoke else ""), flush=True)
+    if not args.smoke:
+        print_estimate(args)
     bandwidth = copy_bandwidth(device)
-    release_memory(device)  # the engine sizes its KV pool from the memory free when it starts
+    release_memory(device)
     print(f"copy bandwidth: {bandwidth / 1e9:,.1f} GB/s (bytes read + written)", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="gpu-throughput-") as scratch:
-        models = args.models or (write_smoke_models(Path(scratch)) if args.smoke else list(MODELS))
-        reports = []
-        for model in models:
-            reports.append(bench_model(model, args, device, bandwidth))
-            print("\n" + format_model(reports[-1], args) + "\n", flush=True)
+    reports = []
+    if not args.kernels:
+        with tempfile.TemporaryDirectory(prefix="gpu-throughput-") as scratch:
+            models = args.models or (write_smoke_models(Path(scratch)) if args.smoke else list(MODELS))
+            for model in models:
+                reports.append(bench_model(model, args, device, bandwidth))
+                print("\n" + format_model(reports[-1], args) + "\n", flush=True)
 
-    kernel_runs = bench_kernel(args, device, bandwidth)
+    kernel_runs = bench_kernel(args, device, bandwidth) if args.models is None else None
     print(format_summary(reports, kernel_runs, bandwidth, args.smoke))
+
+
+def estimate_seconds(model: str, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds this model's part of the command should take on an H100, per side.
+
+    conveyor: every decode step reads the weights and the running contexts' K/V (at HBM bandwidth,
+    budgeted at the 1.5x-of-floor target) and prefill is 2 FLOPs per parameter per prompt token
+    (at peak). HF: the same floors, with static batches padded to their longest prompt and run to
+    their longest output, plus its eager per-layer launch cost on every decode step."""
+    shape = ModelConfig.from_hf(resolve_model(model, "dummy").hf_config)
+    requests = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), shape.vocab_size, args.seed)
+    cap = args.hf_max_requests if args.hf_max_requests is not None else HF_MAX_REQUESTS.get(model, len(requests))
+    hf_requests = requests[:cap]
+    dtype = resolve_dtype(args.dtype, torch.device("cuda"))
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    attention = 2 * (shape.num_attention_heads + shape.num_key_value_heads) * shape.head_dim  # q, k, v, o
+    layer_params = shape.hidden_size * (attention + 3 * shape.intermediate_size)
+    embeddings = (1 if shape.tie_word_embeddings else 2) * shape.vocab_size * shape.hidden_size
+    params = shape.num_hidden_layers * layer_params + embeddings
+    weight_bytes = params * element_size
+    kv_per_token = bytes_per_block(shape, 1, dtype)
+    hf_step_overhead = shape.num_hidden_layers * HF_SECONDS_PER_LAYER_STEP
+
+    def prefill(tokens: int) -> float:
+        return 2 * params * tokens / H100_BF16_FLOPS
+
+    def continuous(batch: list[BenchRequest], overhead: float) -> float:
+        """Every request admitted at once; step t decodes those with more than t tokens to go."""
+        seconds = prefill(sum(len(r.prompt_token_ids) for r in batch))
+        for t in range(max(r.output_len for r in batch)):
+            contexts = sum(len(r.prompt_token_ids) + t for r in batch if r.output_len > t)
+            seconds += (weight_bytes + contexts * kv_per_token) / H100_BANDWIDTH + overhead
+        return seconds
+
+    def static(batch_size: int) -> float:
+        seconds = 0.0
+        for first in range(0, len(hf_requests), batch_size):
+            batch = hf_requests[first : first + batch_size]
+            longest_prompt = max(len(r.prompt_token_ids) for r in batch)
+            seconds += prefill(len(batch) * longest_prompt)
+            for t in range(max(r.output_len for r in batch)):
+                contexts = len(batch) * (longest_prompt + t)
+                seconds += (weight_bytes + contexts * kv_per_token) / H100_BANDWIDTH + hf_step_overhead
+        return seconds
+
+    return {
+        "builds": BUILD_SECONDS,
+        "conveyor": CONVEYOR_FLOOR_FACTOR * continuous(requests, 0.0),
+        "hf static generate": static(args.hf_batch_size),
+        "hf generate_batch": continuous(hf_requests, hf_step_overhead),
+    }
+
+
+def print_estimate(args: argparse.Namespace) -> None:
+    """The command's expected length on an H100, part by part, against the per-command limit."""
+    parts: dict[str, float] = {}
+    if not args.kernels:
+        for model in args.models or MODELS:
+            if model in DUMMY_SHAPES:
+                parts |= {f"{model}: {side}": s for side, s in estimate_seconds(model, args).items()}
+    if args.models is None:
+        parts["decode attention kernel"] = KERNEL_COMMAND_SECONDS
+    total = sum(parts.values())
+    detail = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in parts.items())
+    verdict = "within" if total <= COMMAND_LIMIT_SECONDS / 2 else "NOT well within"
+    print(f"H100 estimate: {total / 60:.1f} min ({detail}); {verdict} the {COMMAND_LIMIT_SECONDS // 60}-minute "
+          "per-command limit of a lent GPU", flush=True)
 
 
 def bench_kernel(args: argparse.Namespace, device: torch.device, bandwidth: float) -> list[KernelRun] | None:

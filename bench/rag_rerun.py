@@ -2,7 +2,7 @@
 
 Workload: `--documents` synthetic reports (`bench/rag_corpus.py`, seeded) of `--doc-tokens` embedding-model tokens,
 processed by one `DocumentProcessor.process_many` call with `RagOptions` defaults (254-token chunks, embeddings
-only unless `--contextualize`) and an `ObjectStoreChunkCache` on a private SeaweedFS server. Then the corpus
+only unless `--contextualize`) and an `ObjectStorePassageCache` on a private SeaweedFS server. Then the corpus
 with `--changed-percent` of its documents edited (a sentence appended) is processed again with the same cache: the
 unchanged documents are cache hits (one GET each, no splitting, no embedding, no contexts), the edited ones are
 split and computed again.
@@ -36,7 +36,7 @@ from jobs.rag.processing import (
     ContextGenerator,
     DocumentInput,
     DocumentProcessor,
-    ObjectStoreChunkCache,
+    ObjectStorePassageCache,
     ProcessingStats,
     RagOptions,
 )
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> None:
         flush=True,
     )
     with object_store() as store, context_generator(args, options) as (generate, generation_model):
-        cache = ObjectStoreChunkCache(store, rag_cache_prefix("bench"))
+        cache = ObjectStorePassageCache(store, rag_cache_prefix("bench"))
 
         def processor() -> DocumentProcessor:
             return DocumentProcessor(options, splitter, embedder.embed, generate, cache, generation_model)

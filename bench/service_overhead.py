@@ -42,9 +42,10 @@ from bench.common import markdown_table, ratio, run_cli
 from bench.service_stack import service_stack
 from conveyor.run_file import run_batch_file
 from engine import LLM, SamplingParams
-from engine.model_registry import DEFAULT_MODEL
+from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from jobs import db
 from jobs.models import Batch, Chunk
+from jobs.served_models import ModelNames, process_models
 from jobs.settings import Settings
 
 TARGET_RATIO = 1.10
@@ -138,7 +139,8 @@ def run_offline(args: argparse.Namespace, input_path: Path, folder: Path) -> Mod
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     output_path = folder / "offline_output.jsonl"
     start = time.perf_counter()
-    summary = run_batch_file(input_path, output_path, llm, progress=False)
+    models = ModelNames(process_models([llm.model_name], DEFAULT_EMBEDDING_MODEL), {})
+    summary = run_batch_file(input_path, output_path, llm, progress=False, models=models)
     seconds = time.perf_counter() - start
     assert summary.failed == 0 and summary.succeeded == args.requests, f"offline run had failures: {summary}"
     del llm

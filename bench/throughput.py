@@ -5,14 +5,25 @@ Workload: N requests with random prompt token ids, prompt and output lengths uni
 each static batch to its longest prompt and runs until its longest output is done; only the tokens
 each request asked for are counted, for both sides.
 
+It also prints the useful FLOP/s of each side against this machine's measured matmul peak (the
+roofline) and, on CPU, a second, profiled conveyor pass: where a step's time goes (matmuls,
+attention, other model ops, sampling, scheduling, Python overhead; see bench/step_profile.py).
+
     python -m bench.throughput --num-requests 64 --prompt-len 32 512 --output-len 32 256
+
+A named dummy shape (`--model gemma-2-9b`, see engine.model_registry.DUMMY_SHAPES) runs with random weights
+on both sides (HF builds the same config with its own random weights); `--small` cuts it to a few narrow
+layers of the same family (windows, soft-capping, norms, layer pattern kept), for CPU runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import tempfile
 import time
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,9 +31,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from bench.common import run_cli
+from bench.step_profile import StepProfile, matmul_peak_flops, useful_flops
 from engine import LLM, SamplingParams
 from engine.dtypes import resolve_dtype
-from engine.model_registry import DEFAULT_MODEL, resolve_model
+from engine.model_registry import DEFAULT_MODEL, DUMMY_SHAPES, resolve_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -39,6 +51,7 @@ class BenchResult:
     name: str
     seconds: float
     output_tokens: int
+    latencies: tuple[float, ...] = ()  # per request, seconds from the start to the end of its batch (HF only)
 
     @property
     def tokens_per_second(self) -> float:
@@ -78,8 +91,11 @@ def run_conveyor(llm: LLM, requests: list[BenchRequest], after_step: Callable[[]
     return BenchResult("conveyor", seconds, produced)
 
 
-def run_hf_static(model: PreTrainedModel, requests: list[BenchRequest], batch_size: int) -> BenchResult:
-    """Static batches on the model's device; only the requested tokens count."""
+def run_hf_static(
+    model: PreTrainedModel, requests: list[BenchRequest], batch_size: int, clock: Callable[[], float] = time.perf_counter
+) -> BenchResult:
+    """Static batches on the model's device; only the requested tokens count. `clock`: seconds, e.g.
+    time.process_time to count CPU time on a shared machine."""
     model.generation_config.eos_token_id = None  # ignore_eos
     model.generation_config.pad_token_id = 0
 
@@ -97,22 +113,67 @@ def run_hf_static(model: PreTrainedModel, requests: list[BenchRequest], batch_si
             )
 
     generate(requests[:1], 2)  # warm-up, as conveyor gets
-    start = time.perf_counter()
+    latencies: list[float] = []
+    start = clock()
     for first in range(0, len(requests), batch_size):
         batch = requests[first : first + batch_size]
         generate(batch, max(r.output_len for r in batch))
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    seconds = time.perf_counter() - start
-    return BenchResult("hf static generate", seconds, sum(r.output_len for r in requests))
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        latencies += [clock() - start] * len(batch)
+    seconds = clock() - start
+    return BenchResult("hf static generate", seconds, sum(r.output_len for r in requests), tuple(latencies))
 
 
-def format_table(results: list[BenchResult], baseline: BenchResult) -> str:
-    lines = [f"{'engine':<22}{'seconds':>10}{'output tok':>12}{'tok/s':>10}{'vs HF':>8}", "-" * 62]
+def format_table(results: list[BenchResult], baseline: BenchResult, flops: float, peak: float) -> str:
+    """`flops`: the useful work of the run (the same for every engine); `peak`: the measured matmul FLOP/s."""
+    header = f"{'engine':<22}{'seconds':>10}{'output tok':>12}{'tok/s':>10}{'vs HF':>8}{'GFLOP/s':>10}{'of peak':>9}"
+    lines = [header, "-" * len(header)]
     for r in results:
         ratio = r.tokens_per_second / baseline.tokens_per_second
-        lines.append(f"{r.name:<22}{r.seconds:>10.1f}{r.output_tokens:>12}{r.tokens_per_second:>10.1f}{ratio:>7.2f}x")
+        achieved = flops / r.seconds
+        lines.append(
+            f"{r.name:<22}{r.seconds:>10.1f}{r.output_tokens:>12}{r.tokens_per_second:>10.1f}{ratio:>7.2f}x"
+            f"{achieved / 1e9:>10.1f}{achieved / peak:>8.1%}"
+        )
     return "\n".join(lines)
+
+
+def format_profile(split: dict[str, float], steps: int) -> str:
+    total = sum(split.values())
+    lines = [f"{'per step':<18}{'ms':>8}{'share':>8}", "-" * 34]
+    lines += [f"{name:<18}{1000 * seconds / steps:>8.2f}{seconds / total:>8.1%}" for name, seconds in split.items()]
+    return "\n".join(lines)
+
+
+def small_shape(config: dict) -> dict:
+    """The shape cut to a few narrow layers: the family's structure (architecture, windows shrunk below the
+    benchmark's prompts, one global layer per pattern, soft-capping, q/k norms, experts and top-k) kept, its
+    size not."""
+    pattern = config.get("sliding_window_pattern") or 2
+    small = {**config, "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256,
+             "num_hidden_layers": max(2, pattern), "num_attention_heads": 4,
+             "num_key_value_heads": 4 if config["num_key_value_heads"] == config["num_attention_heads"] else 2,
+             "head_dim": 32}
+    # a mixture of experts keeps its expert count and top-k; its widths shrink with the dense one
+    for width in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if config.get(width):
+            small[width] = max(16, config[width] * small["intermediate_size"] // config["intermediate_size"])
+    if config.get("mlp_only_layers"):
+        small["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < small["num_hidden_layers"]]
+    if config.get("query_pre_attn_scalar"):
+        small["query_pre_attn_scalar"] = 32
+    if config.get("sliding_window"):
+        small["sliding_window"] = min(config["sliding_window"], 64)
+    return small
+
+
+def dummy_shape_folder(name: str, small: bool) -> Path:
+    """A folder holding only the named shape's config.json, which both engines build random weights for."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    config = small_shape(DUMMY_SHAPES[name]) if small else DUMMY_SHAPES[name]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,35 +192,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--skip-hf", action="store_true", help="only run conveyor")
+    parser.add_argument("--small", action="store_true", help="a named dummy shape cut to a few narrow layers")
+    parser.add_argument(
+        "--skip-profile", action="store_true", help="no second, profiled conveyor pass (the per-step split; CPU only)"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
+    dummy = args.model in DUMMY_SHAPES
+    if args.small and not dummy:
+        raise SystemExit(f"--small cuts a named dummy shape: {sorted(DUMMY_SHAPES)}")
+    model = str(dummy_shape_folder(args.model, args.small)) if dummy else args.model
     llm = LLM(
-        model=args.model, dtype=args.dtype, device=args.device,
+        model=model, dtype=args.dtype, device=args.device, load_format="dummy" if dummy else "auto",
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
     )
     requests = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.engine.model_config.vocab_size, args.seed
     )
     print(
-        f"model={llm.model_name} dtype={args.dtype} device={args.device} requests={args.num_requests} "
+        f"model={args.model}{' (small)' if args.small else ''} dtype={args.dtype} device={args.device} requests={args.num_requests} "
         f"prompt={args.prompt_len[0]}-{args.prompt_len[1]} output={args.output_len[0]}-{args.output_len[1]} "
         f"threads={torch.get_num_threads()}",
         flush=True,
     )
     ours = run_conveyor(llm, requests)
-    print(f"conveyor: {ours.tokens_per_second:.1f} output tok/s", flush=True)
+    device, dtype = torch.device(args.device), resolve_dtype(args.dtype, torch.device(args.device))
+    peak = matmul_peak_flops(dtype, device)
+    flops = useful_flops(llm.engine.model_config, [(len(r.prompt_token_ids), r.output_len) for r in requests])
+    print(
+        f"conveyor: {ours.tokens_per_second:.1f} output tok/s; useful work {flops / ours.seconds / 1e9:.1f} GFLOP/s "
+        f"= {flops / ours.seconds / peak:.1%} of this machine's {args.dtype} matmul peak ({peak / 1e9:.1f} GFLOP/s)",
+        flush=True,
+    )
+    if not args.skip_profile and device.type == "cpu":
+        profile = StepProfile(llm.engine)
+        profile.attach()
+        steps_before = llm.engine.counters.steps
+        run_conveyor(llm, requests)
+        print(format_profile(profile.split(), llm.engine.counters.steps - steps_before), flush=True)
     if args.skip_hf:
         return
-    model_path = resolve_model(args.model).path
+    model_path = resolve_model(model, "dummy" if dummy else "auto").path
     del llm
     import transformers
 
-    dtype = resolve_dtype(args.dtype, torch.device(args.device))
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(args.device).eval()
+    if dummy:
+        hf_config = transformers.AutoConfig.from_pretrained(str(model_path))
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    else:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+    hf_model = hf_model.to(args.device).eval()
     hf = run_hf_static(hf_model, requests, args.hf_batch_size)
-    print(format_table([ours, hf], baseline=hf))
+    print(format_table([ours, hf], baseline=hf, flops=flops, peak=peak))
 
 
 if __name__ == "__main__":

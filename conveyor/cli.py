@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -46,11 +47,25 @@ def _add_run_command(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
         help=f"what answers /v1/embeddings lines: {DEFAULT_EMBEDDING_MODEL} (default) or a sentence-transformers "
         "folder",
     )
+    run.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME=SERVED",
+        help="let lines naming NAME (e.g. gpt-4o-mini) be answered by the served model SERVED; repeatable. A line "
+        "naming a model not served fails with model_not_found",
+    )
     run.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     run.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     run.add_argument("--max-num-seqs", type=int, help="sequences in the running batch at once")
     run.add_argument("--max-num-batched-tokens", type=int, help="tokens computed in one engine step")
-    run.add_argument("--kv-cache-memory", type=int, metavar="BYTES", help="KV cache size on CPU, in bytes")
+    run.add_argument("--kv-cache-memory", type=int, metavar="BYTES", help="KV cache size on CPU, in bytes (per rank)")
+    run.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="shard the model over N processes (GPUs 0..N-1 with --device cuda, or N CPU processes); default 1",
+    )
     run.set_defaults(handler=_run)
 
 
@@ -69,8 +84,11 @@ def _run(args: argparse.Namespace) -> int:
     from engine import LLM, Embedder
     from engine.model_registry import resolve_embedding_model
 
+    from jobs.served_models import ModelNames, parse_aliases, process_models
+
     try:
         resolve_embedding_model(args.embedding_model)  # only found here; loaded if the file has embedding lines
+        aliases = parse_aliases(",".join(args.model_alias))
     except ValueError as failure:
         return _fail(str(failure))
 
@@ -80,6 +98,7 @@ def _run(args: argparse.Namespace) -> int:
             ("max_num_seqs", args.max_num_seqs),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("kv_cache_memory", args.kv_cache_memory),
+            ("tensor_parallel_size", args.tensor_parallel_size),
         )
         if value is not None
     }
@@ -88,13 +107,17 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as failure:
         return _fail(f"cannot start the engine with model {args.model!r}: {failure}")
 
-    summary = run_batch_file(
-        input_path,
-        output_path,
-        llm,
-        progress=sys.stderr.isatty(),
-        make_embedder=lambda: Embedder(args.embedding_model, dtype=args.dtype, device=args.device),
-    )
+    try:
+        summary = run_batch_file(
+            input_path,
+            output_path,
+            llm,
+            progress=sys.stderr.isatty(),
+            models=ModelNames(process_models([llm.model_name], args.embedding_model), aliases),
+            make_embedder=lambda: Embedder(args.embedding_model, dtype=args.dtype, device=args.device),
+        )
+    finally:
+        llm.engine.close()
 
     failures = ", ".join(f"{count} {code}" for code, count in sorted(summary.failures_by_code.items()))
     print(
@@ -132,22 +155,39 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _add_bench_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from bench import throughput
+    from bench import report, throughput
 
     bench = subcommands.add_parser(
         "bench",
-        help="offline throughput: conveyor vs Hugging Face static-batch generate on the same requests",
+        help="offline throughput: conveyor vs Hugging Face static-batch generate on the same requests; "
+        "`bench report`: the continuous-batching report with plots",
         description=throughput.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     throughput.add_arguments(bench)
     bench.set_defaults(handler=_bench)
+    reports = bench.add_subparsers(dest="bench_command", metavar="{report}")
+    report_parser = reports.add_parser(
+        "report",
+        help="static vs continuous batching vs HF, arrival rates, chunk sizes, batch-job scheduling: report.md + plots",
+        description=report.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    report.add_arguments(report_parser)
+    report_parser.set_defaults(handler=_bench_report)
 
 
 def _bench(args: argparse.Namespace) -> int:
     from bench import throughput
 
     throughput.run(args)
+    return 0
+
+
+def _bench_report(args: argparse.Namespace) -> int:
+    from bench import report
+
+    report.run(args)
     return 0
 
 
@@ -167,7 +207,7 @@ def _add_api_command(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
 def _api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from jobs.logging_setup import logging_config
+    from jobs.telemetry.logs import logging_config
     from jobs.settings import Settings
 
     settings = Settings.from_env()
@@ -188,22 +228,51 @@ def _add_worker_command(subcommands: argparse._SubParsersAction[argparse.Argumen
     worker = subcommands.add_parser(
         "worker",
         help="run a GPU worker: one engine fed by concurrent run_chunk tasks (Celery)",
-        description="Load the engine once, then consume the gpu and control queues from Redis. Configuration "
+        description="Load the engine once, then consume from Redis the control queue, the gpu queue (jobs bound to no "
+        "model) and the queues of the models it serves (gpu.<model id>). Configuration "
         "comes from CONVEYOR_* environment variables (see the README).",
     )
-    worker.add_argument("--queues", default="gpu,control", help="comma-separated queues (default: gpu,control)")
+    worker.add_argument(
+        "--queues", default=None, help="comma-separated queues (default: control, gpu and its models' gpu.<model id>)"
+    )
     worker.add_argument("--loglevel", default="INFO")
+    worker.add_argument(
+        "--devices",
+        help="run one engine per group of --tensor-parallel-size devices, each its own worker process: CUDA indices "
+        "(0,1,2,3) or cpu entries (cpu,cpu); default CONVEYOR_WORKER_DEVICES, else one engine",
+    )
+    worker.add_argument(
+        "--tensor-parallel-size", type=int, metavar="N",
+        help="devices each engine is sharded over (default CONVEYOR_ENGINE_TENSOR_PARALLEL_SIZE, else 1)",
+    )
+    worker.add_argument("--node-name", help="Celery node name of this worker (default: celery@hostname)")
     worker.set_defaults(handler=_worker)
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from jobs.logging_setup import configure_logging
-    from jobs.settings import Settings
+    from conveyor.worker_groups import device_groups, group_environment, run_worker_groups, worker_command
+    from jobs.telemetry.logs import configure_logging
+    from jobs.settings import Settings, replace
     from jobs.worker import run_worker
 
     settings = Settings.from_env()
     configure_logging(settings, args.loglevel)
-    run_worker(settings, queues=args.queues.split(","), loglevel=args.loglevel)
+    size = args.tensor_parallel_size or settings.engine_config.tensor_parallel_size
+    devices = args.devices if args.devices is not None else settings.worker_devices
+    if devices:
+        try:
+            groups = device_groups(devices, size)
+        except ValueError as failure:
+            return _fail(str(failure))
+        return run_worker_groups(
+            [worker_command(args.queues, args.loglevel, index) for index in range(len(groups))],
+            [
+                group_environment(group, index, size, settings.worker_metrics_port, os.environ)
+                for index, group in enumerate(groups)
+            ],
+        )
+    settings = replace(settings, engine_options={**settings.engine_options, "tensor_parallel_size": size})
+    run_worker(settings, queues=args.queues.split(",") if args.queues else None, loglevel=args.loglevel, node_name=args.node_name)
     return 0
 
 
@@ -220,7 +289,7 @@ def _add_beat_command(subcommands: argparse._SubParsersAction[argparse.ArgumentP
 
 def _beat(args: argparse.Namespace) -> int:
     from jobs.celery_app import celery_app
-    from jobs.logging_setup import configure_logging
+    from jobs.telemetry.logs import configure_logging
     from jobs.settings import Settings
 
     configure_logging(Settings.from_env(), args.loglevel)

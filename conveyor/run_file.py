@@ -8,19 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jobs.batch_format import (
-    BatchLineValidator,
-    BatchOutputLine,
-    BatchRequest,
-    EmbeddingRequest,
-    TextEmbedder,
-    embedding_records,
-    error_record,
-    response_record,
-)
+from jobs.openai_format.records import TextEmbedder, embedding_records, error_record, response_record
+from jobs.openai_format.requests import BatchRequest, EmbeddingRequest
+from jobs.openai_format.responses import BatchOutputLine
+from jobs.openai_format.validation import BatchLineValidator, LineError
+from jobs.run.split import iter_lines
+from jobs.served_models import ModelNames
+from jobs.settings import DEFAULT_MAX_LINE_BYTES as MAX_LINE_BYTES
 
 if TYPE_CHECKING:
     from engine import LLM
+
+READ_BLOCK_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -43,17 +42,26 @@ def run_batch_file(
     llm: LLM,
     *,
     progress: bool,
+    models: ModelNames,
     make_embedder: Callable[[], TextEmbedder] = _bundled_embedder,
 ) -> RunSummary:
     """Validate every line, run all valid requests together, and write one output line per input line.
 
     The output keeps input order and holds successes and error records alike, so a single results file
     accounts for every request. Blank lines are skipped: they carry no request to answer. Embedding lines
-    are embedded together, in one call of the model `make_embedder()` builds, only if the file has some.
+    are embedded together, in one call of the model `make_embedder()` builds, only if the file has some. A line's
+    `model` must be one of `models` (else its line fails with model_not_found).
     """
-    validator = BatchLineValidator(llm.tokenizer, llm.max_model_len)
+    validator = BatchLineValidator(
+        llm.tokenizer, llm.max_model_len, models=models, limits=llm.engine.admission_limits
+    )
     with input_path.open("rb") as source:
-        checked = [validator.validate(line) for line in source if line.strip()]
+        blocks = iter(lambda: source.read(READ_BLOCK_BYTES), b"")
+        checked = [
+            validator.validate(line) if line is not None else _too_long(number)
+            for number, _, _, line in iter_lines(blocks, max_line_bytes=MAX_LINE_BYTES)
+            if line is None or line.strip()
+        ]
 
     requests = [item for item in checked if isinstance(item, BatchRequest)]
     embedding_requests = [item for item in checked if isinstance(item, EmbeddingRequest)]
@@ -83,6 +91,11 @@ def run_batch_file(
         for record in records:
             sink.write(record.model_dump_json() + "\n")
     return _summarize(records)
+
+
+def _too_long(line_number: int) -> LineError:
+    message = f"line {line_number}: the line is longer than the limit of {MAX_LINE_BYTES} bytes"
+    return LineError(None, "request_too_large", message)
 
 
 def _summarize(records: list[BatchOutputLine]) -> RunSummary:

@@ -2,9 +2,10 @@
 
 Any backing service whose variable is not set (CONVEYOR_DATABASE_URL, CONVEYOR_REDIS_URL, CONVEYOR_S3_ENDPOINT_URL)
 runs embedded (`conveyor.embedded`, `conveyor.seaweedfs`) with its data under one data directory; then the
-migrations run, and the API, one worker and beat start with the settings that point at all of them. SIGINT
-(Ctrl-C) or SIGTERM stops everything in reverse order: beat, worker, API, then the servers. The processes all run
-in sessions of their own, so a Ctrl-C in the terminal reaches only this process, which then stops them in order.
+migrations run, and the API, one worker and beat start with the settings that point at all of them. A child that
+dies is restarted with a backoff (`conveyor.supervisor`); one that keeps dying stops the stack. SIGINT (Ctrl-C) or
+SIGTERM stops everything in reverse order: beat, worker, API, then the servers. The processes all run in sessions of
+their own, so a Ctrl-C in the terminal reaches only this process, which then stops them in order.
 """
 
 from __future__ import annotations
@@ -15,19 +16,23 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from redis import Redis
+from redis.exceptions import RedisError
 from sqlalchemy import select
 
 from conveyor.embedded import S3_CREDENTIALS_FILE, EmbeddedPostgres, EmbeddedRedis, s3_credentials, stable_port
 from conveyor.local_stack import ManagedProcess, start_api, start_beat, start_worker
 from conveyor.seaweedfs import SeaweedFS
+from conveyor.supervisor import Backoff, Child, Supervisor
 from jobs import db
 from jobs.keys import CreatedKey, create_key
 from jobs.models import ApiKey
-from jobs.settings import Settings
+from jobs.settings import Settings, replace
+from jobs.telemetry.service_metrics import process_restarts_key
 
 DATABASE_NAME = "conveyor"
 FIRST_PROJECT = "default"
@@ -51,15 +56,6 @@ class StopRequested(BaseException):
     """SIGINT or SIGTERM arrived. A BaseException, like KeyboardInterrupt, so no `except Exception` swallows it."""
 
 
-@dataclass(frozen=True)
-class _Component:
-    """Something `up` started and watches: when it is no longer running, the whole stack stops."""
-
-    name: str
-    running: Callable[[], bool]
-    log_path: Path
-
-
 def run_up(options: UpOptions) -> int:
     environ = os.environ
     data_dir = options.data_dir.expanduser().resolve()
@@ -68,16 +64,16 @@ def run_up(options: UpOptions) -> int:
     settings = replace(
         settings, api_host=options.api_host or settings.api_host, api_port=options.api_port or settings.api_port
     )
-    components: list[_Component] = []
+    children: list[Child] = []
     with _signals_stop(), ExitStack() as started:
         try:
-            settings = _start_backing_services(settings, data_dir, environ, started, components)
+            settings = _start_backing_services(settings, data_dir, environ, started, children)
             db.upgrade(settings.database_url)
-            _start_service_processes(settings, data_dir / "logs", started, components)
+            _start_service_processes(settings, data_dir / "logs", started, children)
             # Created once everything runs, so the banner that shows it is sure to be printed.
             first_key = _create_first_key(settings.database_url)
             _print_banner(settings, data_dir, environ, first_key)
-            _supervise(components)
+            _supervise(Supervisor(children, Backoff(), _announce, _restart_counter(settings)))
         except StopRequested:
             _announce("stopping beat, worker, API, then the embedded servers")
         except Exception as failure:
@@ -111,7 +107,7 @@ def _ignore_stop_signals() -> None:
 
 
 def _start_backing_services(
-    settings: Settings, data_dir: Path, environ: Mapping[str, str], started: ExitStack, components: list[_Component]
+    settings: Settings, data_dir: Path, environ: Mapping[str, str], started: ExitStack, children: list[Child]
 ) -> Settings:
     if "CONVEYOR_DATABASE_URL" not in environ:
         postgres = EmbeddedPostgres(data_dir / "postgres", stable_port(data_dir, "postgres"))
@@ -119,14 +115,14 @@ def _start_backing_services(
         started.callback(postgres.stop)
         postgres.start()
         postgres.create_database(DATABASE_NAME)
-        components.append(_Component("PostgreSQL", lambda: postgres.running, postgres.log_path))
+        children.append(Child("PostgreSQL", lambda: postgres.running, postgres.start, postgres.log_path))
         settings = replace(settings, database_url=postgres.database_url(DATABASE_NAME))
     if "CONVEYOR_REDIS_URL" not in environ:
         redis = EmbeddedRedis(data_dir / "redis", stable_port(data_dir, "redis"))
         _announce(f"starting Redis on port {redis.port}")
         redis.start()
         started.callback(redis.stop)
-        components.append(_Component("Redis", lambda: redis.running, redis.data_dir / "redis.log"))
+        children.append(Child("Redis", lambda: redis.running, _stop_then(redis.stop, redis.start), redis.data_dir / "redis.log"))
         settings = replace(settings, redis_url=redis.url)
     # Set but empty means AWS itself (Settings reads it as None): only an absent variable asks for the embedded one.
     if "CONVEYOR_S3_ENDPOINT_URL" not in environ:
@@ -134,7 +130,9 @@ def _start_backing_services(
         seaweedfs = SeaweedFS(data_dir / "s3", access_key=credentials.access_key, secret_key=credentials.secret_key)
         _announce("starting SeaweedFS (S3)")
         started.enter_context(seaweedfs)
-        components.append(_Component("SeaweedFS", lambda: seaweedfs.running, seaweedfs.log_path))
+        children.append(
+            Child("SeaweedFS", lambda: seaweedfs.running, _stop_then(seaweedfs.stop, seaweedfs.start), seaweedfs.log_path)
+        )
         # boto3 reads credentials from the environment; the API, worker and beat processes inherit it from here.
         os.environ["AWS_ACCESS_KEY_ID"] = credentials.access_key
         os.environ["AWS_SECRET_ACCESS_KEY"] = credentials.secret_key
@@ -143,9 +141,7 @@ def _start_backing_services(
     return settings
 
 
-def _start_service_processes(
-    settings: Settings, logs: Path, started: ExitStack, components: list[_Component]
-) -> None:
+def _start_service_processes(settings: Settings, logs: Path, started: ExitStack, children: list[Child]) -> None:
     logs.mkdir(exist_ok=True)
     starters: list[tuple[str, Callable[[], ManagedProcess]]] = [
         ("API", lambda: start_api(settings, logs / "api.log")),
@@ -154,13 +150,54 @@ def _start_service_processes(
     ]
     for name, start in starters:
         _announce(f"starting the {name}")
-        process = start()
-        started.callback(process.stop)
-        components.append(_Component(process.name, _is_alive(process), process.log_path))
+        slot = _ProcessSlot(start())
+        started.callback(slot.stop)
+        children.append(Child(slot.current.name, slot.running, _stop_then(slot.stop, slot.replace(start)), slot.current.log_path))
 
 
-def _is_alive(process: ManagedProcess) -> Callable[[], bool]:
-    return lambda: process.process.poll() is None
+@dataclass
+class _ProcessSlot:
+    """The running instance of one service process, replaced by each restart."""
+
+    current: ManagedProcess
+
+    def running(self) -> bool:
+        return self.current.process.poll() is None
+
+    def stop(self) -> None:
+        self.current.stop()
+
+    def replace(self, start: Callable[[], ManagedProcess]) -> Callable[[], None]:
+        def start_again() -> None:
+            self.current = start()
+
+        return start_again
+
+
+def _stop_then(stop: Callable[[], None], start: Callable[[], None]) -> Callable[[], None]:
+    """A restart: whatever is left of the last run (a log handle, a process group) goes before the new start."""
+
+    def restart() -> None:
+        stop()
+        start()
+
+    return restart
+
+
+def _restart_counter(settings: Settings) -> Callable[[Child], None]:
+    """Publishes a child's restart count where the API's /metrics reads it (Redis); a Redis that is itself down or
+    restarting misses this update, and gets the count with the next one."""
+
+    def publish(child: Child) -> None:
+        client = Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            client.hset(process_restarts_key(settings.redis_prefix), child.name, child.restarts)
+        except RedisError as unreachable:
+            _announce(f"could not record the restart of {child.name} in Redis: {unreachable}")
+        finally:
+            client.close()
+
+    return publish
 
 
 def _create_first_key(database_url: str) -> CreatedKey | None:
@@ -176,12 +213,11 @@ def _create_first_key(database_url: str) -> CreatedKey | None:
         engine.dispose()
 
 
-def _supervise(components: list[_Component]) -> None:
-    """Return never: wait for a signal (StopRequested), or raise when a component stopped on its own."""
+def _supervise(supervisor: Supervisor) -> None:
+    """Return never: wait for a signal (StopRequested), restarting children that die; raise ChildKeepsFailing when
+    one keeps dying."""
     while True:
-        for component in components:
-            if not component.running():
-                raise RuntimeError(f"{component.name} stopped unexpectedly; see {component.log_path}")
+        supervisor.check()
         time.sleep(_SUPERVISE_INTERVAL_S)
 
 

@@ -41,19 +41,21 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # sliding window: a query at position p attends keys in (p - window, p]
+        softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) before the softmax
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
 
 
 class TorchAttention:
     """The CPU path: torch ops, with decode rows in the C++ decode kernel where it could be built.
-    Plans the batch layout once per step (on the first layer that sees the step's metadata) and
-    reuses the plan in every other layer."""
+    Plans the batch layout once per step and kind of layer (window, soft-capping) on the first layer
+    that sees the step's metadata, and reuses the plan in every other layer of that kind."""
 
     def __init__(self, use_decode_kernel: bool, shared_prefix_min_saved_tokens: int = 0) -> None:
         self.use_decode_kernel = use_decode_kernel
         self.shared_prefix_min_saved_tokens = shared_prefix_min_saved_tokens
         self._planned_for: AttentionMetadata | None = None
-        self._plan: PagedAttentionPlan | None = None
+        self._plans: dict[tuple[int | None, bool], PagedAttentionPlan] = {}
 
     def __call__(
         self,
@@ -64,19 +66,31 @@ class TorchAttention:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if self._planned_for is not metadata:
-            self._plan = plan_paged_attention(
+            self._plans.clear()
+            self._planned_for = metadata
+        kind = (window, softcap is not None)
+        plan = self._plans.get(kind)
+        if plan is None:
+            # The shared-prefix groups attend through torch's flash kernel, which neither windows nor
+            # soft-caps: such layers attend those rows one by one.
+            shared_prefix = self.shared_prefix_min_saved_tokens if window is None and softcap is None else 0
+            plan = self._plans[kind] = plan_paged_attention(
                 metadata.query_start_loc,
                 metadata.seq_lens,
                 metadata.block_tables,
                 k_cache.shape[1],
                 use_decode_kernel=self.use_decode_kernel,
-                shared_prefix_min_saved_tokens=self.shared_prefix_min_saved_tokens,
+                shared_prefix_min_saved_tokens=shared_prefix,
+                window=window,
             )
-            self._planned_for = metadata
         write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)
-        return run_paged_attention(query, k_cache, v_cache, self._plan, scale, new_key=key, new_value=value)
+        return run_paged_attention(
+            query, k_cache, v_cache, plan, scale, new_key=key, new_value=value, softcap=softcap
+        )
 
 
 
@@ -95,12 +109,15 @@ class TritonAttention:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.max_query_len == 1:
             return decode_attention(
-                query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens_tensor, scale, out=out
+                query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens_tensor, scale, out=out,
+                window=window, softcap=softcap,
             )
         return prefill_attention(
             query,
@@ -112,4 +129,6 @@ class TritonAttention:
             scale,
             metadata.max_query_len,
             out=out,
+            window=window,
+            softcap=softcap,
         )

@@ -7,6 +7,28 @@ beams fork from. A shared block that one holder is about to write into is first 
 (copy-on-write); the copy is queued for the model runner and runs before the step's forward pass.
 Swapping moves a sequence's whole table to the host pool and back; the block copies are returned
 to the caller, which hands them to the runner the same way.
+
+Swap, end to end (its one description, which docs/architecture.md points to):
+
+1. Sizing (`engine.kv_cache`): in swap mode the host pool holds `swap_space` bytes of blocks, allocated beside the
+   device pool with the same per-layer shape (pinned on CUDA, so copies are asynchronous).
+2. Decision (`engine.scheduler`, `Scheduler._preempt`): when a running sequence cannot get a block, a victim is
+   chosen (`_make_room`); it is swapped out if this pool has room for its whole table (`can_swap_out`) and the
+   step's `max_swap_blocks_per_step` can take it, and recomputed otherwise. It waits in the `swapped` queue, in
+   schedule order, and comes back (`_admit`) only when its blocks plus the admission watermark are free, never in a
+   step that preempted.
+3. Bookkeeping (here, `swap_out` / `swap_in`): the table moves between pools in one go; the (source, destination)
+   block pairs go out in `SchedulerOutput.blocks_to_swap_out` / `blocks_to_swap_in`.
+4. Copies (`engine.model_runner`): before the step's forward pass (the vacated device blocks may be written by it),
+   `kernels.block_copy.swap_blocks` moves every layer's K and V blocks in one launch per direction (its torch
+   reference off Triton; on CUDA the kernel addresses the pinned host pool directly, so no step waits on it); the
+   time is read from CUDA events outside the step.
+5. Telemetry (`engine.metrics`): preemptions by mode, blocks swapped each way, swap seconds and bytes/s.
+
+On a model whose every layer attends through the same sliding window, a block wholly before the
+window of a sequence's next query is never read again: it is released as the sequence advances, and
+its table entry becomes FREED (-1), so a long sequence holds about window / block_size + 1 blocks.
+With full-attention layers anywhere (Gemma's global layers) nothing can be released this way.
 """
 
 from __future__ import annotations
@@ -17,15 +39,22 @@ from engine.prefix_cache import PrefixCache, extend_block_hashes
 from engine.sequence import Sequence
 
 BlockPairs = list[tuple[int, int]]  # (source block, destination block)
+FREED = -1  # a table entry whose block was released because no query will read it again
 
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, num_host_blocks: int = 0, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        enable_prefix_caching: bool = False,
+        sliding_window: int | None = None,  # tokens that every layer attends back (None: some layer attends all)
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
@@ -56,8 +85,17 @@ class BlockManager:
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables.get(seq_id, [])
 
+    def num_held_blocks(self, seq_id: int) -> int:
+        """Device blocks the sequence holds (its table less the entries released outside the window)."""
+        return sum(1 for block in self._tables.get(seq_id, ()) if block != FREED)
+
     def num_host_blocks_of(self, seq_id: int) -> int:
-        return len(self._host_tables.get(seq_id, ()))
+        return sum(1 for block in self._host_tables.get(seq_id, ()) if block != FREED)
+
+    def num_blocks_to_swap_in(self, seq_id: int, stop: int) -> int:
+        """Device blocks a swapped-out sequence needs to come back and write positions up to `stop`."""
+        host_table = self._host_tables[seq_id]
+        return self.num_host_blocks_of(seq_id) + max(0, -(-stop // self.block_size) - len(host_table))
 
     # ---- allocation -----------------------------------------------------------------------
 
@@ -82,10 +120,25 @@ class BlockManager:
         return needed
 
     def can_allocate(self, num_new_blocks: int, cached: Seq[int] = (), reserve: int = 0) -> bool:
-        """Whether `num_new_blocks` can be taken while keeping `reserve` blocks free. Claiming a
-        cached block nobody holds also takes it out of the free pool."""
+        """Whether `num_new_blocks` can be taken while keeping `reserve` blocks free."""
+        return num_new_blocks <= self._num_allocatable(cached, reserve)
+
+    def num_writable_tokens(self, seq_id: int, start: int, cached: Seq[int] = (), reserve: int = 0) -> int:
+        """How many positions from `start` on `seq_id` could write with the blocks free now, keeping
+        `reserve` free (`cached`: the prefix a sequence being admitted would claim)."""
+        table = self._tables.get(seq_id) or cached
+        copy = self.num_blocks_needed(seq_id, start, start, cached)  # a shared block at `start` is copied first
+        return max(0, (len(table) + self._num_allocatable(cached, reserve) - copy) * self.block_size - start)
+
+    def num_exclusive_blocks(self, seq_id: int) -> int:
+        """Blocks of `seq_id` that no other sequence holds: what freeing it gives back."""
+        return sum(1 for block in self._tables.get(seq_id, ()) if self._ref_counts[block] == 1)
+
+    def _num_allocatable(self, cached: Seq[int], reserve: int) -> int:
+        """Free blocks beyond `reserve`, less the cached ones in `cached` that nobody holds: claiming
+        them takes them out of the free pool."""
         claimed = sum(1 for b in cached if self.prefix_cache is not None and self.prefix_cache.is_evictable(b))
-        return num_new_blocks + claimed + reserve <= self.num_free_blocks
+        return self.num_free_blocks - claimed - reserve
 
     def allocate(self, seq_id: int, start: int, stop: int, cached: Seq[int] = ()) -> None:
         """Make `seq_id` able to write positions [start, stop): claim `cached` (for a sequence being
@@ -98,6 +151,7 @@ class BlockManager:
             for block in cached:
                 self._take_shared(block)
                 table.append(block)
+        self._release_outside_window(table, start)
         index = start // self.block_size
         if index < len(table) and self._ref_counts[table[index]] > 1:
             copy = self._take_empty()
@@ -112,7 +166,8 @@ class BlockManager:
         It inherits the names of the computed full blocks only: its later tokens may differ."""
         table = self._tables[parent.seq_id]
         for block in table:
-            self._ref_counts[block] += 1
+            if block != FREED:
+                self._ref_counts[block] += 1
         self._tables[child.seq_id] = list(table)
         self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
         child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
@@ -128,16 +183,18 @@ class BlockManager:
         extend_block_hashes(seq.block_hashes, seq.token_ids_slice, num_full * self.block_size, self.block_size)
         table = self._tables[seq.seq_id]
         for index in range(registered, num_full):
-            self.prefix_cache.register(table[index], seq.block_hashes[index])
+            if table[index] != FREED:
+                self.prefix_cache.register(table[index], seq.block_hashes[index])
         self._num_registered[seq.seq_id] = num_full
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks in both pools. The tail goes first, so that among cached
         blocks the ends of prefixes are evicted before their shared beginnings."""
         for block in reversed(self._tables.pop(seq_id, ())):
-            self._release(block)
+            if block != FREED:
+                self._release(block)
         self._num_registered.pop(seq_id, None)
-        self._host_free.extend(self._host_tables.pop(seq_id, ()))
+        self._host_free.extend(block for block in self._host_tables.pop(seq_id, ()) if block != FREED)
 
     def take_copies(self) -> BlockPairs:
         """Copy-on-write copies queued since the last call, for the runner to perform."""
@@ -150,31 +207,46 @@ class BlockManager:
     # ---- swapping -------------------------------------------------------------------------
 
     def can_swap_out(self, seq_id: int) -> bool:
-        return len(self._tables.get(seq_id, ())) <= len(self._host_free)
+        return self.num_held_blocks(seq_id) <= len(self._host_free)
 
     def swap_out(self, seq_id: int) -> BlockPairs:
-        """Move the whole table to the host pool. Returns (device block, host block) copies."""
+        """Move the whole table (its held blocks) to the host pool. Returns (device block, host block) copies."""
+        needed = self.num_held_blocks(seq_id)
+        if needed > len(self._host_free):
+            raise RuntimeError(f"host pool full: need {needed}, {len(self._host_free)} free")
         table = self._tables.pop(seq_id)
-        if len(table) > len(self._host_free):
-            raise RuntimeError(f"host pool full: need {len(table)}, {len(self._host_free)} free")
-        host_table = [self._host_free.pop() for _ in table]
+        host_table = [FREED if block == FREED else self._host_free.pop() for block in table]
         self._host_tables[seq_id] = host_table
         for block in reversed(table):
-            self._release(block)
+            if block != FREED:
+                self._release(block)
         self._num_registered.pop(seq_id, None)
-        return list(zip(table, host_table))
+        return [(block, host) for block, host in zip(table, host_table) if block != FREED]
 
     def swap_in(self, seq_id: int) -> BlockPairs:
         """Bring a swapped-out table back into fresh device blocks. Returns (host block, device block) copies."""
+        needed = self.num_host_blocks_of(seq_id)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free_blocks} free")
         host_table = self._host_tables.pop(seq_id)
-        if len(host_table) > self.num_free_blocks:
-            raise RuntimeError(f"out of KV blocks: need {len(host_table)}, {self.num_free_blocks} free")
-        table = [self._take_empty() for _ in host_table]
+        table = [FREED if host == FREED else self._take_empty() for host in host_table]
         self._tables[seq_id] = table
-        self._host_free.extend(reversed(host_table))
-        return list(zip(host_table, table))
+        self._host_free.extend(host for host in reversed(host_table) if host != FREED)
+        return [(host, block) for host, block in zip(host_table, table) if host != FREED]
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _release_outside_window(self, table: list[int], start: int) -> None:
+        """Release the blocks wholly before the window of a query at `start`, the earliest this
+        sequence will compute from now on: it attends keys from start - window + 1 on."""
+        if self.sliding_window is None:
+            return
+        index = max(0, start - self.sliding_window + 1) // self.block_size - 1
+        # Released entries form a prefix of the table: walk back from the newest one to release.
+        while index >= 0 and table[index] != FREED:
+            self._release(table[index])
+            table[index] = FREED
+            index -= 1
 
     def _take_empty(self) -> int:
         block = self._free.pop() if self._free else self.prefix_cache.evict()  # type: ignore[union-attr]
@@ -205,7 +277,8 @@ class BlockManager:
         holders = [0] * self.num_blocks
         for table in self._tables.values():
             for block in table:
-                holders[block] += 1
+                if block != FREED:
+                    holders[block] += 1
         free = set(self._free)
         assert len(free) == len(self._free), "a block is in the free pool twice"
         cache = self.prefix_cache
@@ -220,6 +293,6 @@ class BlockManager:
             assert not (block in free and cache is not None and cache.is_evictable(block)), f"block {block} twice"
         if cache is not None:
             cache.check_invariants()
-        host_held = [b for table in self._host_tables.values() for b in table]
+        host_held = [b for table in self._host_tables.values() for b in table if b != FREED]
         assert len(host_held) + len(self._host_free) == self.num_host_blocks, "a host block leaked"
         assert len(set(host_held) | set(self._host_free)) == self.num_host_blocks, "a host block is held twice"

@@ -7,12 +7,86 @@ from typing import Any, Literal
 
 
 PreemptionMode = Literal["recompute", "swap"]
+SchedulingPolicy = Literal["continuous", "static"]
+PreemptionVictim = Literal["recency", "least_work"]
 KernelBackendChoice = Literal["auto", "torch", "triton"]
+
+
+# Architectures the decoder models implement (engine/models/__init__.py maps each to its class).
+DECODER_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+# Hugging Face `quantization_config.quant_method`s whose weights this engine can read: none yet.
+SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ()
+
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# transformers' defaults for what a Qwen MoE config.json leaves out
+_QWEN_MOE_DEFAULTS = {
+    "Qwen2MoeForCausalLM": {
+        "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    },
+    "Qwen3MoeForCausalLM": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+}
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Mixture-of-experts feed-forward: each token's router picks `top_k` of `num_experts` SwiGLU experts.
+
+    Routing, as Hugging Face transformers does it for all three families: softmax over the experts
+    (float32), the top k, then, when `renormalize`, the k weights divided by their sum. Mixtral always
+    renormalises; Qwen2-MoE and Qwen3-MoE only with `norm_topk_prob` (false by default).
+    """
+
+    num_experts: int
+    top_k: int  # experts per token
+    expert_intermediate_size: int  # width of one expert's gate/up projections
+    renormalize: bool  # divide the top-k weights by their sum
+    shared_expert_intermediate_size: int  # Qwen2-MoE's always-on expert, gated by sigmoid; 0: none
+    sparse_layers: tuple[int, ...]  # decoder layers with experts; the others keep the dense MLP
+
+    def __post_init__(self) -> None:
+        if self.sparse_layers and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.top_k}")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], architecture: str) -> "MoeConfig":
+        layers = hf["num_hidden_layers"]
+        if architecture == "MixtralForCausalLM":
+            return cls(
+                num_experts=hf.get("num_local_experts", 8),
+                top_k=hf.get("num_experts_per_tok", 2),
+                expert_intermediate_size=hf["intermediate_size"],
+                renormalize=True,
+                shared_expert_intermediate_size=0,
+                sparse_layers=tuple(range(layers)),
+            )
+        defaults = _QWEN_MOE_DEFAULTS[architecture]
+        # transformers 5 saves Qwen3-MoE's num_experts under its alias, num_local_experts
+        num_experts = hf.get("num_experts", hf.get("num_local_experts", defaults["num_experts"]))
+        step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+        return cls(
+            num_experts=num_experts,
+            top_k=hf.get("num_experts_per_tok", defaults["num_experts_per_tok"]),
+            expert_intermediate_size=hf.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
+            renormalize=bool(hf.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=(
+                hf.get("shared_expert_intermediate_size", defaults["shared_expert_intermediate_size"])
+                if architecture == "Qwen2MoeForCausalLM"
+                else 0  # Qwen3-MoE has none
+            ),
+            sparse_layers=tuple(
+                i for i in range(layers) if i not in dense_only and num_experts > 0 and (i + 1) % step == 0
+            ),
+        )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder. Built from a Hugging Face `config.json` dict."""
+    """Shape of a decoder (Llama family and its relatives, dense or mixture-of-experts). Built from a Hugging Face
+    `config.json` dict."""
 
     architecture: str  # e.g. "LlamaForCausalLM", "Qwen3ForCausalLM"
     vocab_size: int
@@ -28,27 +102,46 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Per layer: the sliding attention window in tokens (a query at position p attends keys in
+    # (p - window, p], as transformers does), or None for full attention. Default: all None.
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_activation: Literal["silu", "gelu_tanh"] = "silu"  # of the gated MLP's gate
+    # Attention scale is query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the output logits (Gemma 2)
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3); None: rope_theta
+    moe: MoeConfig | None = None  # mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE); None: dense
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has the same one (then KV blocks outside it are never read
+        again by any layer and can be freed); None when any layer attends fully."""
+        windows = set(self.layer_windows)
+        if len(windows) == 1 and None not in windows:
+            return windows.pop()
+        return None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
-        supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-        if architecture not in supported:
-            raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(supported)}")
+        if architecture not in DECODER_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(DECODER_ARCHITECTURES)}")
+        _refuse_quantization(hf)
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rope_scaling = hf.get("rope_scaling")
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 nests theta inside rope_parameters
-            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        if rope_scaling is None and hf.get("rope_parameters"):
-            params = hf["rope_parameters"]
-            if params.get("rope_type", "default") != "default":
-                rope_scaling = params
+        rope_theta, rope_scaling, local_rope_theta = _rope_settings(hf, architecture)
+        gemma = architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+        activation = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        activations: dict[str, Literal["silu", "gelu_tanh"]] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+        if activation not in activations:
+            raise ValueError(f"unsupported hidden activation {activation!r}; supported: {sorted(activations)}")
+        if (hf.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor {hf['partial_rotary_factor']} is not supported (only 1.0)")
         return cls(
             architecture=architecture,
             vocab_size=hf["vocab_size"],
@@ -59,15 +152,92 @@ class ModelConfig:
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", architecture == "Qwen2ForCausalLM")),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            # Qwen2-MoE names it qkv_bias; both Qwen2 families default to biased q/k/v.
+            attention_bias=bool(
+                hf.get("attention_bias", hf.get("qkv_bias", architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")))
+            ),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
+            layer_windows=_layer_windows(hf, architecture),
+            hidden_activation=activations[activation],
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcapping=hf.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcapping=hf.get("final_logit_softcapping") if gemma else None,
+            local_rope_theta=local_rope_theta,
+            moe=MoeConfig.from_hf(hf, architecture) if architecture in _MOE_ARCHITECTURES else None,
         )
+
+
+def _refuse_quantization(hf: dict[str, Any]) -> None:
+    """Quantized checkpoints store packed integer or float8 weights (and scales) under names and shapes
+    this engine does not read: say so at load instead of failing on a missing tensor."""
+    quantization = hf.get("quantization_config")
+    if not quantization:
+        return
+    method = quantization.get("quant_method") or ("bitsandbytes" if "load_in_4bit" in quantization else "unknown")
+    if method not in SUPPORTED_QUANTIZATION_METHODS:
+        supported = ", ".join(SUPPORTED_QUANTIZATION_METHODS) or "none"
+        raise ValueError(
+            f"quantized checkpoint (quantization_config.quant_method={method!r}) is not supported; supported "
+            f"quantization methods: {supported}. Load the unquantized (bf16/fp16/fp32) checkpoint, or a GGUF file "
+            f"(dequantized to bf16 at import)"
+        )
+
+
+def _rope_settings(hf: dict[str, Any], architecture: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope_theta, rope_scaling, the sliding layers' own rope_theta). transformers >= 5 nests theta and
+    scaling inside `rope_parameters`, per layer type for Gemma 3 ({"full_attention": ..., "sliding_attention": ...})."""
+    params = hf.get("rope_parameters") or {}
+    local_theta = None
+    if "full_attention" in params:  # per layer type
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"RoPE scaling on sliding-window layers is not supported: {local}")
+        local_theta = local.get("rope_theta")
+        params = params["full_attention"]
+    if architecture == "Gemma3ForCausalLM" and local_theta is None:
+        local_theta = hf.get("rope_local_base_freq", 10000.0)
+    rope_theta = hf.get("rope_theta") or params.get("rope_theta", 10000.0)
+    rope_scaling = hf.get("rope_scaling")
+    if rope_scaling is None and params.get("rope_type", "default") != "default":
+        rope_scaling = params
+    return float(rope_theta), rope_scaling, None if local_theta is None else float(local_theta)
+
+
+def _layer_windows(hf: dict[str, Any], architecture: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window, following transformers: Mistral, Mixtral and Phi-3 window every layer;
+    Qwen2/3 only with `use_sliding_window`, the layers from `max_window_layers` on (Qwen3-MoE: every layer;
+    Qwen2-MoE: the even layers below `max_window_layers`); Gemma 2 alternates sliding and global layers,
+    Gemma 3 has one global layer in `sliding_window_pattern`; an explicit `layer_types` wins except for
+    Mistral, Mixtral, Phi-3 and Qwen3-MoE, whose transformers classes ignore it."""
+    layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window")
+    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    if architecture in qwen and not hf.get("use_sliding_window", False):
+        window = None
+    if architecture == "LlamaForCausalLM" or window is None:
+        return (None,) * layers
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return (window,) * layers
+    types = hf.get("layer_types")
+    if types is None:
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            first = hf.get("max_window_layers", 28)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        elif architecture == "Qwen2MoeForCausalLM":  # every other layer, below max_window_layers
+            first = hf.get("max_window_layers", 28)
+            types = ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(layers)]
+        else:
+            pattern = 2 if architecture == "Gemma2ForCausalLM" else hf.get("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name 'sliding_attention' or 'full_attention' for each of {layers} layers")
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 @dataclass
@@ -85,6 +255,21 @@ class EngineConfig:
     swap_space: int = 4 * 1024**3  # bytes of host memory for swapped-out blocks (pinned on CUDA)
     max_swap_blocks_per_step: int = 1024  # blocks moved per direction per step: a bandwidth cap
     admission_watermark: float = 0.01  # fraction of KV blocks kept free when admitting or swapping in
+    # "continuous": admit into any free seat every step; "static": admit a batch, run it until its last
+    # member finishes, then admit the next (the baseline continuous batching is measured against)
+    scheduling_policy: SchedulingPolicy = "continuous"
+    # Within a priority, admit first the waiting prompts with the longest cached prefix, so one
+    # document's questions run together and hit the prefix cache (needs enable_prefix_caching)
+    prefix_aware_ordering: bool = True
+    prefix_ordering_window: int = 1024  # waiting requests (from the head of the queue) ranked per step: bounds its cost
+    # The oldest waiting request of the top priority is overtaken by at most this many others, then admitted first
+    prefix_ordering_max_overtakes: int = 256
+    # Admit a prompt whose chunk does not fit yet, computing what fits now, when running sequences that
+    # finish within this many steps (max_tokens reached) will release the rest; 0: off
+    lookahead_admission_steps: int = 0
+    # "recency": preempt the least recently scheduled, then the newest; "least_work": the one with the
+    # fewest computed tokens (cheapest to swap or recompute). Lowest priority goes first either way.
+    preemption_victim: PreemptionVictim = "recency"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds requests that do not carry their own seed
@@ -94,6 +279,21 @@ class EngineConfig:
     shared_prefix_min_saved_tokens: int = 2048
     kernel_backend: KernelBackendChoice = "auto"  # "auto": Triton on CUDA, torch on CPU; or "torch" / "triton" to force one
     cuda_graph_max_batch_size: int = 256  # decode steps of up to this many sequences replay CUDA graphs; 0: eager
+    # Processes (one device each: GPUs device..device+N-1, or CPU processes) the model is sharded over; 1: none.
+    # Budgets above (kv_cache_memory, swap_space) are per rank: each rank holds its share of the KV heads.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 300.0  # seconds a rank waits for the others in a collective before failing
+    tensor_parallel_startup_timeout: float = 1800.0  # seconds the ranks may take to start and load their shards
+    # Admission limits (engine/admission.py): what one request may ask for before it is queued.
+    max_sequences_per_request: int = 128  # largest n, best_of or beam_width of one request (OpenAI's n limit)
+    max_tokens_limit: int | None = None  # largest max_tokens admitted; None: what the context leaves
+    default_max_tokens: int | None = None  # max_tokens of a request without one; None: the rest of the context
+    grammar_compile_threads: int = 2  # threads compiling structured-output grammars, off the step loop
+    grammar_cache_size: int = 256  # compiled grammars kept (most recently used), keyed by constraint
+    # structured output: where the grammar allows exactly one continuation (keys, punctuation of a fixed
+    # schema), append its tokens without a forward pass each. Off by default: the forced text is tokenized
+    # on its own, which may split it differently from the model's own tokens (outputs differ from HF's).
+    jump_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -112,6 +312,26 @@ class EngineConfig:
             raise ValueError("shared_prefix_min_saved_tokens must be >= 0")
         if self.cuda_graph_max_batch_size < 0:
             raise ValueError("cuda_graph_max_batch_size must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_timeout <= 0 or self.tensor_parallel_startup_timeout <= 0:
+            raise ValueError("tensor_parallel_timeout and tensor_parallel_startup_timeout must be > 0 seconds")
+        if self.max_sequences_per_request < 1:
+            raise ValueError("max_sequences_per_request must be >= 1")
+        if (self.max_tokens_limit is not None and self.max_tokens_limit < 1) or (
+            self.default_max_tokens is not None and self.default_max_tokens < 1
+        ):
+            raise ValueError("max_tokens_limit and default_max_tokens must be >= 1 (or None)")
+        if self.scheduling_policy not in ("continuous", "static"):
+            raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {self.scheduling_policy!r}")
+        if self.preemption_victim not in ("recency", "least_work"):
+            raise ValueError(f"preemption_victim must be 'recency' or 'least_work', got {self.preemption_victim!r}")
+        if self.prefix_ordering_window < 1 or self.prefix_ordering_max_overtakes < 0:
+            raise ValueError("prefix_ordering_window must be >= 1 and prefix_ordering_max_overtakes >= 0")
+        if self.lookahead_admission_steps < 0:
+            raise ValueError("lookahead_admission_steps must be >= 0")
+        if self.grammar_compile_threads < 1 or self.grammar_cache_size < 1:
+            raise ValueError("grammar_compile_threads and grammar_cache_size must be >= 1")
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
 

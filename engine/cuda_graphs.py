@@ -15,6 +15,8 @@ sequence the engine admits, so a captured launch fits every later replay.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.attention import AttentionMetadata
@@ -28,6 +30,17 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     sizes = [size for size in (1, 2, 4, 8) if size < max_batch_size]
     sizes += range(16, max_batch_size, 16)
     return sizes + [max_batch_size]
+
+
+def capture_graph(forward: Callable[[], None], pool: tuple[int, int] | None) -> torch.cuda.CUDAGraph:
+    """`forward`'s kernels captured as a CUDA graph, in the memory pool `pool` (None: a new one).
+    The only place that touches the CUDA graph API; tests put an eager stand-in here."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        forward()
+    torch.cuda.synchronize()
+    return graph
 
 
 class DecodeGraphs:
@@ -72,15 +85,14 @@ class DecodeGraphs:
         pool = None
         for size in reversed(self.batch_sizes):
             metadata = self._metadata(size)
-            # An eager run first compiles this shape's Triton kernels, which capture cannot do.
-            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, metadata)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+
+            def forward(size: int = size, metadata: AttentionMetadata = metadata) -> None:
                 self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, metadata)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+
+            # An eager run first compiles this shape's Triton kernels, which capture cannot do.
+            forward()
+            self.graphs[size] = capture_graph(forward, pool)
+            pool = self.graphs[size].pool()
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         return metadata.max_query_len == 1 and len(metadata.seq_lens) <= self.batch_sizes[-1]

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import normalizers
 
 from engine.config import EmbedderConfig, EncoderConfig
-from engine.dtypes import cpu_has_fast_bf16, resolve_device, resolve_dtype
+from engine.dtypes import building_on, cpu_has_fast_bf16, resolve_device, resolve_dtype
 from engine.embedding_model import POOLING_MODES, EncoderModel, iter_checkpoint, pool
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, resolve_embedding_model
 
@@ -113,8 +113,8 @@ class Embedder:
             )
         self.dimension = encoder_config.hidden_size * len(self.recipe.pooling_modes)
         self._tokenizer = _load_tokenizer(folder, self.recipe)
-        with torch.device(self.device):
-            self.model = EncoderModel(encoder_config).to(self.dtype)
+        with building_on(self.device, self.dtype):  # no float32 copy of the weights first
+            self.model = EncoderModel(encoder_config)
         self.model.load_weights(iter_checkpoint(folder))
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_has_fast_bf16():
             self.model.pack_linears_for_cpu()  # oneDNN's blocked layout, and the FFN's GELU fused into its matmul

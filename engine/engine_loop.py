@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from engine.admission import StepFailed
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
@@ -116,11 +117,13 @@ class EngineLoop:
         return built.result()
 
     def stop(self) -> None:
-        """Abort whatever is still in flight (callers get finish_reason 'abort') and join the thread."""
+        """Abort whatever is still in flight (callers get finish_reason 'abort'), join the thread and close the
+        engine (its other tensor-parallel ranks, if any)."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
         self._thread.join()
+        self.engine.close()
 
     def __enter__(self) -> "EngineLoop":
         return self.start()
@@ -206,7 +209,13 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as error:  # a failed step must not hang every caller: fail them all
+        except StepFailed as failed:  # blame the costliest request of the step; the next step retries the rest
+            self.engine.abort_request(failed.request_id)
+            handle = self._handles.pop(failed.request_id, None)
+            if handle is not None:
+                handle._fail(failed)
+            return
+        except Exception as error:  # a step that failed outside any request must not hang every caller
             for request_id, handle in list(self._handles.items()):
                 self.engine.abort_request(request_id)
                 handle._fail(error)

@@ -1,23 +1,33 @@
-"""Turn a llama.cpp GGUF file (llama architecture, byte-level BPE vocabulary) into a Hugging Face model folder.
+"""Turn a llama.cpp GGUF file (Llama, Qwen2/3, Phi-3, Gemma 2/3; byte-level or SentencePiece BPE vocabulary) into a
+Hugging Face model folder.
 
-The folder holds float32 `model.safetensors`, `config.json`, `generation_config.json`, `tokenizer.json` and
+The folder holds `model.safetensors`, `config.json`, `generation_config.json`, `tokenizer.json` and
 `tokenizer_config.json`, so both this engine and `transformers` load it like any checkpoint from the Hub.
+Tensors keep the file's precision where it is a float type (F32 norms stay F32, F16 stays F16, BF16 stays
+BF16); quantized tensors are dequantized to bfloat16, never float32, so a Q4 file grows about 4x, not 8x.
+RoPE scaling comes from the file: `rope.scaling.*` (linear, yarn) and Llama 3.1's `rope_freqs` tensor of
+per-frequency divisors, turned back into transformers' `llama3` parameters.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
-from safetensors.numpy import save_file
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.tokenizer import bos_eos_processor
+
+# Bump whenever a conversion's output changes: converted folders are cached under names carrying it.
+CONVERTER_VERSION = 2
 
 CONTROL_TOKEN = 3  # llama.cpp's token_type for special tokens such as <|im_start|>
 USER_DEFINED_TOKEN = 4  # added tokens that are matched whole but are not special
@@ -27,11 +37,25 @@ USER_DEFINED_TOKEN = 4  # added tokens that are matched whole but are not specia
 _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact"}  # every digit on its own, then GPT-2's regex
 _GPT2 = {"gpt2", "default"}
 _LLAMA3 = {"llama-bpe", "llama3", "llama-v3"}
+_QWEN2 = {"qwen2"}
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_SPLIT = (  # Llama 3's with single digits
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
+# GGUF `general.architecture` -> the Hugging Face architecture it is imported as.
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -39,33 +63,53 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where a family's llama.cpp layout differs from Llama's.
+_LAYER_TENSOR_OVERRIDES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused, as in the HF checkpoint
+    "gemma2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+_LAYER_TENSOR_OVERRIDES["gemma3"] = _LAYER_TENSOR_OVERRIDES["gemma2"]
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Not weights: RoPE factors, read into config.json instead.
+_ROPE_FREQS = "rope_freqs.weight"
+# Default llama3 context the factors were computed for, when the file does not say (Llama 3.1's).
+_LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
 def convert_gguf_to_hf_folder(gguf_path: Path, out_dir: Path) -> None:
-    """Write a Hugging Face Llama folder into `out_dir` (created if missing) from `gguf_path`."""
+    """Write a Hugging Face folder into `out_dir` (created if missing) from `gguf_path`."""
     reader = gguf.GGUFReader(gguf_path)
     metadata = _read_metadata(reader)
     architecture = metadata.get("general.architecture")
-    if architecture != "llama":
-        raise ValueError(f"{gguf_path}: only GGUF architecture 'llama' can be imported, got {architecture!r}")
+    if architecture not in _ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_path}: GGUF architecture {architecture!r} cannot be imported; supported: {sorted(_ARCHITECTURES)}"
+        )
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
     out_dir.mkdir(parents=True, exist_ok=True)
-    hf_config = _hf_config(metadata, tensor_names={tensor.name for tensor in reader.tensors})
-    save_file(_hf_tensors(reader, hf_config), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = _hf_config(architecture, metadata, tensors)
+    save_file(_hf_tensors(architecture, tensors, hf_config), str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
     _write_json(out_dir / "config.json", hf_config)
     generation = {key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in hf_config}
     _write_json(out_dir / "generation_config.json", generation)
-    _build_tokenizer(metadata).save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(metadata))
+    _build_tokenizer(architecture, metadata).save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(architecture, metadata))
 
 
 def _read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -78,33 +122,59 @@ def _as_float32_literal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    def llama(key: str, default: Any = None) -> Any:
-        return metadata.get(f"llama.{key}", default)
+def _hf_config(architecture: str, metadata: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"{architecture}.{name}", default)
 
-    scaling = llama("rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in tensor_names:
-        raise ValueError("GGUF files with RoPE scaling (rope.scaling.type or rope_freqs) are not supported")
-    heads = llama("attention.head_count")
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError("GGUF files with Phi-3 LongRoPE factors (rope_factors_long/short) are not supported")
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    layers = key("block_count")
+    head_dim = key("attention.key_length") or hidden // heads
+    embedding_dtype = _safetensors_dtype(tensors["token_embd.weight"].tensor_type)
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": llama("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
-        "hidden_size": llama("embedding_length"),
-        "intermediate_size": llama("feed_forward_length"),
-        "num_hidden_layers": llama("block_count"),
+        "architectures": [_ARCHITECTURES[architecture]],
+        "model_type": architecture,
+        "vocab_size": key("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": llama("attention.head_count_kv", heads),
-        "head_dim": llama("attention.key_length") or llama("embedding_length") // heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _as_float32_literal(llama("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _as_float32_literal(llama("rope.freq_base", 10000.0)),
-        "max_position_embeddings": llama("context_length"),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": False,
+        "rms_norm_eps": _as_float32_literal(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _as_float32_literal(key("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(architecture, metadata, tensors, head_dim),
+        "max_position_embeddings": key("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": False,
-        "torch_dtype": "float32",
+        # The matrices' type (the norms may be wider), which transformers loads the model as.
+        "torch_dtype": str(embedding_dtype).removeprefix("torch."),
     }
+    if architecture == "qwen2":
+        config["use_sliding_window"] = False  # llama.cpp runs Qwen2 without a window
+    if architecture == "phi3" and key("attention.sliding_window"):
+        config["sliding_window"] = key("attention.sliding_window")
+    if architecture in ("gemma2", "gemma3"):
+        config["model_type"] = "gemma3_text" if architecture == "gemma3" else "gemma2"
+        del config["hidden_act"]
+        config["hidden_activation"] = "gelu_pytorch_tanh"
+        config["sliding_window"] = key("attention.sliding_window")
+        # llama.cpp scales queries by 1/sqrt(hidden / heads) for the 27B models (46 and 62 layers), else by
+        # 1/sqrt(head_dim): the value of query_pre_attn_scalar their checkpoints carry.
+        config["query_pre_attn_scalar"] = hidden // heads if layers in (46, 62) else head_dim
+        config["attn_logit_softcapping"] = key("attn_logit_softcapping")
+        config["final_logit_softcapping"] = key("final_logit_softcapping")
+        pattern = key("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            config["layer_types"] = ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
+        elif architecture == "gemma3":
+            config["sliding_window_pattern"] = pattern or 6
+        if architecture == "gemma3":
+            config["rope_local_base_freq"] = _as_float32_literal(key("rope.freq_base_swa", 10000.0))
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{gguf_key}" in metadata:
@@ -112,33 +182,115 @@ def _hf_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, An
     return config
 
 
-def _hf_tensors(reader: gguf.GGUFReader, hf_config: dict[str, Any]) -> dict[str, np.ndarray]:
-    tensors: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+def _rope_scaling(architecture: str, metadata: dict[str, Any], tensors: dict[str, Any], head_dim: int) -> dict | None:
+    """transformers' rope_scaling from the file: `rope.scaling.type` linear or yarn, or `rope_freqs`."""
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"{architecture}.{name}", default)
+
+    kind = key("rope.scaling.type", "none")
+    if _ROPE_FREQS in tensors:
+        if kind not in ("none", "llama3"):
+            raise ValueError(f"GGUF has both rope_freqs and rope.scaling.type {kind!r}")
+        divisors = gguf.quants.dequantize(np.asarray(tensors[_ROPE_FREQS].data), tensors[_ROPE_FREQS].tensor_type)
+        return _llama3_scaling(divisors.astype(np.float64), _as_float32_literal(key("rope.freq_base", 10000.0)),
+                               head_dim, key("rope.scaling.original_context_length") or _LLAMA3_ORIGINAL_CONTEXT)
+    if kind == "none":
+        return None
+    factor = _as_float32_literal(key("rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor,
+                   "original_max_position_embeddings": key("rope.scaling.original_context_length")}
+        for name, gguf_name in (("beta_fast", "rope.scaling.yarn_beta_fast"), ("beta_slow", "rope.scaling.yarn_beta_slow")):
+            if key(gguf_name) is not None:
+                scaling[name] = _as_float32_literal(key(gguf_name))
+        return scaling
+    raise ValueError(f"GGUF rope.scaling.type {kind!r} is not supported; supported: none, linear, yarn, rope_freqs")
+
+
+def _llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, original_context: int) -> dict[str, Any]:
+    """The llama3 parameters whose per-frequency divisors are `divisors` (what llama.cpp's converter wrote).
+    Divisors are 1 for short wavelengths, `factor` for long ones, and between them 1 / ((1 - s) / factor + s)
+    with s = original_context / ((high - low) * wavelength) - low / (high - low): two of the three remaining
+    parameters fix the curve, so the context is taken as given and low/high solved from the smooth part."""
+    factor = float(divisors.max())
+    wavelengths = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (1 / divisors - 1 / factor) / (1 - 1 / factor) if factor > 1 else np.zeros_like(divisors)
+    between = (smooth > 1e-6) & (smooth < 1 - 1e-6)
+    if factor <= 1 or between.sum() < 2:
+        raise ValueError("GGUF rope_freqs does not follow Llama 3's scaling (too few smoothly scaled frequencies)")
+    slope, intercept = np.polyfit(1 / wavelengths[between], smooth[between], 1)  # s = slope / wavelength + intercept
+    low, high = -intercept * original_context / slope, (1 - intercept) * original_context / slope
+    scaling = {"rope_type": "llama3", "factor": _round(factor), "low_freq_factor": _round(low),
+               "high_freq_factor": _round(high), "original_max_position_embeddings": original_context}
+    expected = _llama3_divisors(scaling, wavelengths)
+    if not np.allclose(expected, divisors, rtol=1e-4):
+        raise ValueError("GGUF rope_freqs does not follow Llama 3's scaling")
+    return scaling
+
+
+def _llama3_divisors(scaling: dict[str, Any], wavelengths: np.ndarray) -> np.ndarray:
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    smooth = np.clip((context / wavelengths - low) / (high - low), 0, 1)
+    return 1 / ((1 - smooth) / factor + smooth)
+
+
+def _round(value: float) -> float:
+    """The parameter as a config would spell it: float32 noise of the fit removed."""
+    return float(f"{value:.4g}")
+
+
+# The float types a tensor keeps; quantized ones become bfloat16.
+_FLOAT_TYPES = {
+    gguf.GGMLQuantizationType.F32: torch.float32,
+    gguf.GGMLQuantizationType.F16: torch.float16,
+    gguf.GGMLQuantizationType.BF16: torch.bfloat16,
+}
+
+
+def _safetensors_dtype(tensor_type: gguf.GGMLQuantizationType) -> torch.dtype:
+    return _FLOAT_TYPES.get(tensor_type, torch.bfloat16)
+
+
+def _hf_tensors(architecture: str, tensors: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    converted: dict[str, torch.Tensor] = {}
+    gemma = architecture in ("gemma2", "gemma3")
+    for gguf_name, tensor in tensors.items():
+        if gguf_name == _ROPE_FREQS:
+            continue
         # numpy's shape is GGUF's reversed, so a matrix arrives as (out_features, in_features) like torch's Linear.
         # np.asarray drops the memmap subclass, whose per-slice bookkeeping would dominate dequantization time.
-        weights = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32, copy=False)
-        name = _hf_name(tensor.name)
-        if name.endswith("q_proj.weight"):
+        weights = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        name = _hf_name(architecture, gguf_name)
+        if architecture == "llama" and name.endswith("q_proj.weight"):
             weights = _undo_rope_permutation(weights, hf_config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif architecture == "llama" and name.endswith("k_proj.weight"):
             weights = _undo_rope_permutation(weights, hf_config["num_key_value_heads"])
-        tensors[name] = np.ascontiguousarray(weights)
-    return tensors
+        if gemma and name.endswith("norm.weight"):
+            weights = weights - 1  # llama.cpp stores Gemma's (1 + weight); the checkpoint holds weight
+        weights = np.ascontiguousarray(weights, dtype=np.float32)
+        if not weights.flags.writeable:  # still the file's memory map (an F32 tensor): torch wants its own
+            weights = weights.copy()
+        converted[name] = torch.from_numpy(weights).to(_safetensors_dtype(tensor.tensor_type))
+    return converted
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(architecture: str, gguf_name: str) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_names = {**_LAYER_TENSORS, **_LAYER_TENSOR_OVERRIDES.get(architecture, {})}
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSORS:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama counterpart")
-    return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.weight"
+    if match is None or match.group(2) not in layer_names:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face {_ARCHITECTURES[architecture]} counterpart")
+    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
 
 
 def _undo_rope_permutation(weights: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp reorders each head's q/k rows from HF's rotate-half layout [x0..x(d/2-1), y0..] to interleaved
-    pairs [x0, y0, x1, y1, ...] (reshape(heads, 2, d/2).swapaxes(1, 2)); this puts the halves back."""
+    """llama.cpp reorders each head's q/k rows of a `llama` model from HF's rotate-half layout [x0..x(d/2-1), y0..]
+    to interleaved pairs [x0, y0, x1, y1, ...] (reshape(heads, 2, d/2).swapaxes(1, 2)); this puts the halves back.
+    Other families run llama.cpp's NEOX rotation, on HF's own layout."""
     rows, columns = weights.shape
     head_dim = rows // heads
     return weights.reshape(heads, head_dim // 2, 2, columns).swapaxes(1, 2).reshape(rows, columns)
@@ -152,26 +304,27 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         ])
     if pre in _GPT2:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _LLAMA3:
+    if pre in _LLAMA3 or pre in _QWEN2:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if pre in _LLAMA3 else _QWEN2_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
-    known = sorted(_DIGITS_THEN_GPT2 | _GPT2 | _LLAMA3)
+    known = sorted(_DIGITS_THEN_GPT2 | _GPT2 | _LLAMA3 | _QWEN2)
     raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {known}")
 
 
-def _build_tokenizer(metadata: dict[str, Any]) -> HFTokenizer:
+def _build_tokenizer(architecture: str, metadata: dict[str, Any]) -> HFTokenizer:
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"only byte-level BPE ('gpt2') GGUF vocabularies are supported, got {kind!r}")
+    if kind == "gpt2":
+        tokenizer = _byte_level_tokenizer(metadata)
+    elif kind == "llama":
+        tokenizer = _sentencepiece_tokenizer(architecture, metadata)
+    else:
+        raise ValueError(
+            f"GGUF vocabulary {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
+        )
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
-    vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
-    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = bos_eos_processor(
         bos=_special_token_and_id(metadata, "bos_token_id") if metadata.get("tokenizer.ggml.add_bos_token") else None,
         eos=_special_token_and_id(metadata, "eos_token_id") if metadata.get("tokenizer.ggml.add_eos_token") else None,
@@ -187,6 +340,62 @@ def _build_tokenizer(metadata: dict[str, Any]) -> HFTokenizer:
     return tokenizer
 
 
+def _byte_level_tokenizer(metadata: dict[str, Any]) -> HFTokenizer:
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
+    if pre in _QWEN2:
+        tokenizer.normalizer = normalizers.NFC()
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_tokenizer(architecture: str, metadata: dict[str, Any]) -> HFTokenizer:
+    """SentencePiece BPE with byte fallback (Llama 2, Phi-3, Gemma), as transformers builds it from a GGUF: the
+    file has no merges, so they come from the vocabulary, best first (by score; by file position for Gemma,
+    whose scores do not follow its merge order). How a leading space is made differs by family and the file
+    does not say: Llama's Metaspace prepends one to the first word, Phi-3's normalizer to the text, Gemma none."""
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    gemma = architecture in ("gemma2", "gemma3")
+    if gemma:  # runs of spaces are stored as spaces, but looked up as "▁"s
+        tokens = ["▁" * len(token) if " " in token and not token.strip() else token for token in tokens]
+        ranks = {token: -index for index, token in enumerate(tokens)}
+    else:
+        ranks = dict(zip(tokens, metadata["tokenizer.ggml.scores"]))
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    unknown = _special_token(metadata, "unknown_token_id") if gemma else None
+    tokenizer = HFTokenizer(models.BPE(
+        vocab=vocab, merges=_merges_from_vocabulary(vocab, ranks), unk_token=unknown, fuse_unk=True, byte_fallback=True,
+    ))
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        tokenizer.normalizer = normalizers.Replace(" ", "▁")
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif architecture == "phi3":
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+def _merges_from_vocabulary(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens is a merge, ranked by the merged token (higher first), then by
+    the longer left part, the longer right part, and the parts' ids, as transformers orders them."""
+    merges: list[tuple[str, str, float]] = []
+    for token, rank in ranks.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges.extend((left, right, rank) for left, right in pairs)
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
 def _special_token_and_id(metadata: dict[str, Any], key: str) -> tuple[str, int] | None:
     token = _special_token(metadata, key)
     return None if token is None else (token, metadata[f"tokenizer.ggml.{key}"])
@@ -197,7 +406,7 @@ def _special_token(metadata: dict[str, Any], key: str) -> str | None:
     return None if token_id is None else metadata["tokenizer.ggml.tokens"][token_id]
 
 
-def _tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
+def _tokenizer_config(architecture: str, metadata: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
@@ -207,7 +416,7 @@ def _tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
         "unk_token": _special_token(metadata, "unknown_token_id"),
         "pad_token": _special_token(metadata, "padding_token_id"),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": metadata.get("llama.context_length"),
+        "model_max_length": metadata.get(f"{architecture}.context_length"),
     }
     if "tokenizer.chat_template" in metadata:
         config["chat_template"] = metadata["tokenizer.chat_template"]

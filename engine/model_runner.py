@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
@@ -17,6 +18,8 @@ from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.transfer import to_device
 from kernels.block_copy import copy_blocks, copy_blocks_reference, swap_blocks, swap_blocks_reference
+from kernels.decode_attention import table_widths_per_variant
+from kernels.prefill_attention import chunk_lengths_per_tile
 
 
 class ModelRunner:
@@ -28,7 +31,6 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         kernel_backend: KernelBackend,
-        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -39,7 +41,7 @@ class ModelRunner:
         use_triton = kernel_backend == "triton"
         self._copy_blocks = copy_blocks if use_triton else copy_blocks_reference
         self._swap_blocks = swap_blocks if use_triton else swap_blocks_reference
-        self.decode_graphs = decode_graphs
+        self.decode_graphs: DecodeGraphs | None = None  # set once captured, after the warm-up
         self._swap_seconds = 0.0
         self._pending_swap_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -55,12 +57,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, output: SchedulerOutput, rows: Sequence[SamplingRow], fanout: Sequence[int] | None = None
+        self,
+        output: SchedulerOutput,
+        rows: Sequence[SamplingRow],
+        fanout: Sequence[int] | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput | None:
         """Run one step. `rows` are the sampling inputs of the scheduled sequences that need a
         token, in schedule order; `fanout[i]` says how many consecutive rows sample from the i-th
-        such sequence's logits (a prompt forking into n samples), 1 each when None. Returns None
-        when nothing needs sampling (pure prefill chunks, or a step that only swaps out)."""
+        such sequence's logits (a prompt forking into n samples), 1 each when None; `token_bitmask`
+        the grammar's allowed tokens per row (structured output), None when no row has one. Returns None
+        when nothing needs sampling (pure prefill chunks, or a step that only swaps out), and on
+        tensor-parallel ranks other than the first, which pass no rows."""
         self._move_blocks(output)
         if not output.scheduled:
             return None
@@ -69,13 +77,69 @@ class ModelRunner:
             hidden = self.decode_graphs.run(input_ids, positions, metadata)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-        if not rows:
+        if not any(item.needs_sample for item in output.scheduled):
             return None
         logits = self.model.compute_logits(hidden[logits_indices])
+        if logits is None:  # a tensor-parallel rank other than the first: rank 0 samples
+            return None
         if fanout is not None and any(count != 1 for count in fanout):
             repeats = to_device(fanout, torch.int64, logits.device)
             logits = logits.repeat_interleave(repeats, dim=0, output_size=sum(fanout))  # no sync for the size
-        return self.sampler(logits, rows)
+        return self.sampler(logits, rows, token_bitmask)
+
+    @torch.inference_mode()
+    def run_dummy_step(self, query_lens: Sequence[int], blocks_per_seq: int, sample_rows: Sequence[SamplingRow] = ()) -> None:
+        """A throwaway step: sequences of `query_lens` new tokens each (a context of just those
+        tokens) through tables `blocks_per_seq` wide of block 0. Nothing is written to the cache
+        (slot -1); attention reads block 0, whatever it holds. With `sample_rows` (one per
+        sequence) it samples too. For warm-ups and the start-up memory profile."""
+        num_tokens = sum(query_lens)
+        query_start_loc = list(accumulate(query_lens, initial=0))
+        device = self.device
+        metadata = AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=list(query_lens),
+            block_tables=torch.zeros(len(query_lens), blocks_per_seq, dtype=torch.int32, device=device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens_tensor=torch.tensor(query_lens, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens),
+        )
+        token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        positions = torch.cat([torch.arange(length, device=device) for length in query_lens])
+        hidden = self.model(token_ids, positions, self.kv_caches, metadata)
+        if sample_rows:
+            last_tokens = torch.tensor(query_start_loc[1:], device=device) - 1
+            logits = self.model.compute_logits(hidden[last_tokens])  # a collective: every rank computes it
+            if logits is not None:  # rank 0 of a tensor-parallel group samples, the others get None
+                self.sampler(logits, sample_rows)
+
+    def warm_up(self, max_num_batched_tokens: int, max_blocks_per_seq: int) -> None:
+        """Compiles every Triton kernel variant a step can launch, so that no compile lands inside
+        a running engine: a prefill step per query-tile height, a decode step per split variant,
+        and a block copy and swaps (which also build their address tensors once). The varying
+        integer arguments are not specialised on (`do_not_specialize`), so one launch per
+        variant covers every batch."""
+        config = self.model.config
+        k_cache = self.kv_caches[0][0]
+        # The heads this runner's cache holds: a tensor-parallel rank's share of the model's.
+        num_kv_heads = k_cache.shape[2]
+        num_heads = num_kv_heads * (config.num_attention_heads // config.num_key_value_heads)
+        max_chunk = min(max_num_batched_tokens, max_blocks_per_seq * self.block_size)
+        for query_len in chunk_lengths_per_tile(num_heads, num_kv_heads, max_chunk):
+            self.run_dummy_step([query_len], -(-query_len // self.block_size))
+        for width in table_widths_per_variant(
+            num_kv_heads, config.head_dim, k_cache.element_size(), self.block_size,
+            max_blocks_per_seq, self.device,
+        ):
+            self.run_dummy_step([1], width)
+        # Block 0 onto itself (copy-on-write), and out to the host pool and back: nothing changes.
+        self._move_blocks(SchedulerOutput(scheduled=(), blocks_to_copy=((0, 0),)))
+        if self.host_kv_caches:
+            self._move_blocks(SchedulerOutput(scheduled=(), blocks_to_swap_out=((0, 0),)))
+            self._move_blocks(SchedulerOutput(scheduled=(), blocks_to_swap_in=((0, 0),)))
+            self._pending_swap_timings.clear()  # not swaps the engine's metrics should count
+            self._swap_seconds = 0.0
 
     def _move_blocks(self, output: SchedulerOutput) -> None:
         """Swap-outs first: the blocks they vacate may be written by this very step."""
@@ -90,10 +154,9 @@ class ModelRunner:
                 (output.blocks_to_swap_in, self.host_kv_caches, self.kv_caches),
             ):
                 if pairs:
-                    index = torch.tensor(pairs, dtype=torch.int64)
-                    for (src_k, src_v), (dst_k, dst_v) in zip(source, target):
-                        self._swap_blocks(src_k, dst_k, index)
-                        self._swap_blocks(src_v, dst_v, index)
+                    # One index transfer and one launch per direction, every layer's K and V at once.
+                    index = to_device(pairs, torch.int64, self.device)
+                    self._swap_blocks([c for layer in source for c in layer], [c for layer in target for c in layer], index)
             if on_gpu:
                 end_event.record()
                 self._pending_swap_timings.append((start_event, end_event))

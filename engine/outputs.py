@@ -30,3 +30,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed (OpenAI's cached_tokens)
+    error: str | None = None  # why the request could not run (its structured-output constraint did not compile)

@@ -1,4 +1,5 @@
-"""Batched next-token sampling: penalties, min_tokens masking, greedy / temperature / top-k / top-p / min-p.
+"""Batched next-token sampling: the grammar bitmask, logit_bias, penalties, min_tokens masking, greedy /
+temperature / top-k / top-p / min-p.
 
 The hot path is a fixed handful of tensor ops over the whole batch; per-row Python work only builds small
 parameter tensors. Each sampled row draws with one uniform number from a counter-based hash of (seed, step)
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.transfer import tensor_to_device, to_device
+from engine.structured_output import apply_token_bitmask
+from engine.transfer import to_device
 
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 _GOLDEN_GAMMA = 0x9E37_79B9_7F4A_7C15  # SplitMix64's stream increment
@@ -51,21 +53,28 @@ class SamplerOutput:
 class Sampler:
     """Picks one next token per row. Holds no state: every random draw is keyed by (seed, step)."""
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """`token_bitmask`: [rows, ceil(vocab / 32)] int32, bit set = token allowed (structured output);
+        None when no row is constrained."""
         raw = logits.float()
-        processed = process_logits(raw, rows)
+        processed = process_logits(raw, rows, token_bitmask)
         token_ids = _pick_tokens(processed, rows)
         output = _with_logprobs(raw, token_ids, rows)
         beam_rows = [i for i, row in enumerate(rows) if row.params.use_beam_search]
         if beam_rows:
-            output.beam_logprobs = processed[beam_rows].log_softmax(dim=-1)
+            output.beam_logprobs = processed[to_device(beam_rows, torch.int64, processed.device)].log_softmax(dim=-1)
         return output
 
 
-def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Apply penalties, then min_tokens masking, in vLLM's order. Returns float32 logits.
+def process_logits(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Apply the grammar bitmask, logit_bias, penalties, then min_tokens masking. Returns float32 logits.
 
-    The input is never modified: when no row needs either step it comes back as is (converted to float32),
+    The grammar goes first, as in vLLM, so nothing after it can revive a token it bans (-inf stays -inf).
+    The input is never modified: when no row needs any step it comes back as is (converted to float32),
     otherwise as a new tensor.
     """
     repetition_rows = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
@@ -73,10 +82,15 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         i for i, row in enumerate(rows) if row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0
     ]
     min_tokens_rows = [i for i, row in enumerate(rows) if len(row.output_token_ids) < row.params.min_tokens]
-    if not (repetition_rows or count_rows or min_tokens_rows):
+    bias_rows = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if not (repetition_rows or count_rows or min_tokens_rows or bias_rows or token_bitmask is not None):
         return logits.float()
 
     logits = logits.to(torch.float32, copy=True)
+    if token_bitmask is not None:
+        apply_token_bitmask(logits, token_bitmask)
+    if bias_rows:
+        _apply_logit_bias(logits, rows, bias_rows)
     if repetition_rows:
         _apply_repetition_penalty(logits, rows, repetition_rows)
     if count_rows:
@@ -99,28 +113,39 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow],
     logits[row_index, token_index] = torch.where(values > 0, values / penalty, values * penalty)
 
 
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow], row_indices: list[int]) -> None:
+    """Add each row's per-token bias to its logits (in place), one scatter for the batch."""
+    row_index, token_index = _coordinates(row_indices, [list(rows[i].params.logit_bias) for i in row_indices], logits.device)
+    biases = [bias for i in row_indices for bias in rows[i].params.logit_bias.values()]
+    logits[row_index, token_index] += to_device(biases, torch.float32, logits.device)
+
+
 def _apply_frequency_presence_penalties(
     logits: torch.Tensor, rows: Sequence[SamplingRow], row_indices: list[int]
 ) -> None:
-    """OpenAI's formula over output tokens only: logit -= frequency * count + presence * (count > 0)."""
+    """OpenAI's formula over output tokens only: logit -= frequency * count + presence * (count > 0).
+
+    Each (row, token) occurrence finds its count by binary search in the sorted occurrences, so every
+    shape is known on the host (torch.unique's is not: on a GPU it makes the host wait)."""
     outputs = [rows[i].output_token_ids for i in row_indices]
     row_index, token_index = _coordinates(row_indices, outputs, logits.device)
-    vocab_size = logits.shape[-1]
-    keys, counts = torch.unique(row_index * vocab_size + token_index, return_counts=True)
-    row_index, token_index = keys // vocab_size, keys % vocab_size
+    keys = row_index * logits.shape[-1] + token_index
+    ordered = keys.sort().values
+    counts = torch.searchsorted(ordered, keys, right=True) - torch.searchsorted(ordered, keys)
     frequency = _row_values(rows, lambda p: p.frequency_penalty, logits.device)[row_index]
     presence = _row_values(rows, lambda p: p.presence_penalty, logits.device)[row_index]
-    logits[row_index, token_index] -= frequency * counts + presence
+    # A token seen twice is written twice with the same value, so duplicates are harmless.
+    logits[row_index, token_index] = logits[row_index, token_index] - (frequency * counts + presence)
 
 
 def _coordinates(
     row_indices: list[int], token_lists: Sequence[Sequence[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten per-row token lists into (row, token) index tensors for one scatter / gather."""
-    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.int64)
-    row_index = torch.repeat_interleave(torch.tensor(row_indices, dtype=torch.int64), lengths)
-    token_index = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
-    return tensor_to_device(row_index, device), tensor_to_device(token_index, device)
+    """Flatten per-row token lists into (row, token) index tensors for one scatter / gather, built on
+    the host and sent through the pinned path."""
+    rows = list(itertools.chain.from_iterable([row] * len(tokens) for row, tokens in zip(row_indices, token_lists)))
+    tokens = list(itertools.chain.from_iterable(token_lists))
+    return to_device(rows, torch.int64, device), to_device(tokens, torch.int64, device)
 
 
 def _row_values(
@@ -208,6 +233,8 @@ def _top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     ]
     width = min(vocab_size, max(row_widths))
 
+    if width < vocab_size and any(k == vocab_size and p < 1.0 for k, p in zip(top_k, top_p)) and not _may_wait_on(device):
+        width = vocab_size  # whether the prefilter holds the nucleus is known only on the device
     candidate_ids, weights, cumulative = _weighted_candidates(scaled, width, k_tensor)
     if vocab_mass is not None and width < vocab_size:
         nucleus_cut_off = ~has_top_k & (cumulative[:, -1] < p_tensor * vocab_mass)
@@ -217,6 +244,14 @@ def _top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     mass = cumulative[:, -1] if vocab_mass is None else torch.where(has_top_k, cumulative[:, -1], vocab_mass)
     weights.masked_fill_(cumulative - weights >= (p_tensor * mass)[:, None], 0.0)
     return candidate_ids, weights
+
+
+def _may_wait_on(device: torch.device) -> bool:
+    """Whether a step may branch on values it computed. On the CPU reading one costs nothing; on a
+    GPU it makes the host wait for every kernel queued before it, so the device path takes the
+    branch-free route (for top-p alone: the full sort, as vLLM does, instead of a prefilter whose
+    sufficiency only the device knows)."""
+    return device.type == "cpu"
 
 
 def _weighted_candidates(

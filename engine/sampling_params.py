@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutputParams
+
 
 @dataclass
 class SamplingParams:
@@ -17,6 +19,11 @@ class SamplingParams:
     Beam search (`use_beam_search`) keeps `beam_width` beams, scores finished ones by cumulative
     log-prob / generated length ** `length_penalty` (as Hugging Face does) and returns the `n` best;
     it is deterministic, so it requires temperature 0 and no top-k/top-p/min-p, as vLLM did.
+
+    `structured_output` constrains every sample to a JSON schema, any JSON object, a regex, a choice or a
+    grammar (engine/structured_output.py); eos is then allowed only where the grammar may end.
+    `logit_bias` adds a bias in [-100, 100] to a token id's logit before sampling (OpenAI's semantics:
+    -100 bans the token, 100 all but forces it).
     """
 
     n: int = 1
@@ -39,12 +46,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputParams | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(token): float(bias) for token, bias in (self.logit_bias or {}).items()}
         self._validate()
 
     def _validate(self) -> None:
@@ -92,6 +102,17 @@ class SamplingParams:
         )
         require(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0")
+        require(all(token >= 0 for token in self.logit_bias), "logit_bias keys must be token ids >= 0")
+        require(
+            all(-100.0 <= bias <= 100.0 for bias in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"
+        )
+        if self.structured_output is not None:
+            # Beam search ranks whole distributions across beams; a grammar per beam would need its matcher
+            # forked and dropped with every beam reshuffle. Refused rather than half-done.
+            require(not self.use_beam_search, "beam search does not combine with structured output")
+            # Both would ban eos where the grammar allows nothing else, leaving no token to pick.
+            require(not self.ignore_eos, "ignore_eos does not combine with structured output")
+            require(self.min_tokens == 0, "min_tokens does not combine with structured output")
 
     @property
     def greedy(self) -> bool:

@@ -11,11 +11,27 @@ and come back later; when the host pool or this step's swap bandwidth cannot tak
 mode, its blocks are freed and it is recomputed from its tokens. Admission keeps a reserve of free
 blocks (the watermark) and does not happen in a step that preempted, so a burst or a swapped-out
 sequence is not let in only to be thrown out again the next step.
+
+Admission order (`prefix_aware_ordering`, on by default): priority first; within a priority, the
+waiting prompts with the longest cached prefix go first (SGLang's longest-prefix-match), then arrival
+order. One document's questions are therefore admitted while the document is still in the cache,
+instead of in arrival order after it was evicted. A prompt whose next prefix block another sequence
+computes this step is passed over for one step (it will find it cached), and the oldest waiting
+request of the top priority is overtaken at most `prefix_ordering_max_overtakes` times before it
+goes first, so nothing starves.
+
+`scheduling_policy = "static"` is the baseline continuous batching is measured against: a batch is
+admitted only once the previous one has wholly finished (its seats stay empty as members finish).
+With `lookahead_admission_steps`, a prompt whose chunk does not fit the free blocks computes the
+part that fits, when decoding sequences that reach max_tokens within that many steps will release
+the rest; a prompt part-way through such a prefill waits for them rather than preempting anyone.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, BlockPairs
@@ -69,9 +85,24 @@ def _schedule_key(seq: Sequence) -> tuple[int, int]:
     return seq.schedule_key
 
 
-def _victim_key(seq: Sequence) -> tuple[int, int, int]:
+def _priority(seq: Sequence) -> int:
+    return seq.priority
+
+
+def _victim_by_recency(seq: Sequence) -> tuple[int, int, int]:
     """The largest key is preempted first: lowest priority, least recently scheduled, newest."""
     return (seq.priority, -seq.last_scheduled_step, seq.arrival_order)
+
+
+def _victim_by_least_work(seq: Sequence) -> tuple[int, int, int]:
+    """The largest key is preempted first: lowest priority, fewest computed tokens, newest."""
+    return (seq.priority, -seq.num_computed_tokens, seq.arrival_order)
+
+
+_VICTIM_KEYS: dict[str, Callable[[Sequence], tuple[int, int, int]]] = {
+    "recency": _victim_by_recency,
+    "least_work": _victim_by_least_work,
+}
 
 
 class Scheduler:
@@ -86,6 +117,10 @@ class Scheduler:
         self._watermark_blocks = int(config.admission_watermark * block_manager.num_blocks)
         self._step = 0
         self._blocks_in_flight: set[bytes] = set()  # prefix-cache names of the full blocks this step computes
+        self._victim_key = _VICTIM_KEYS[config.preemption_victim]
+        self._batch_open = True  # static policy: the current batch still takes members
+        self._head: Sequence | None = None  # the oldest waiting request of the top priority
+        self._head_overtakes = 0  # requests admitted before it since it became the head
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -107,6 +142,10 @@ class Scheduler:
         preempted: list[int] = []
         swap_out: BlockPairs = []
         swap_in: BlockPairs = []
+        releasable = self._blocks_released_soon()
+        static = self.config.scheduling_policy == "static"
+        if static and not self.running and not self.swapped:
+            self._batch_open = True
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -115,27 +154,25 @@ class Scheduler:
             if num_new == 0:  # a beam waiting for its siblings' logits
                 index += 1
                 continue
-            if self._make_room(seq, index, num_new, preempted, swap_out):
+            num_new = self._make_room(seq, index, num_new, releasable, preempted, swap_out)
+            if num_new:
                 scheduled.append(self._schedule_one(seq, num_new))
                 budget -= num_new
+            if seq.status is SequenceStatus.RUNNING:
                 index += 1
 
         # Admitting work right after preempting would only evict it again next step.
-        if not preempted:
-            while budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self._next_to_admit()
-                if seq is None:
-                    break
-                num_new = self._admit(seq, budget, swap_in)
-                if num_new == 0:
-                    break
-                scheduled.append(self._schedule_one(seq, num_new))
-                budget -= num_new
+        if not preempted and self._batch_open:
+            budget, passed_over = self._admit_queued(budget, scheduled, swap_in, releasable)
+            # A static batch closes once admission stopped for want of seats, memory or requests (not
+            # budget, nor a prompt passed over for a prefix block computed this step: they join next step).
+            if static and budget > 0 and not passed_over:
+                self._batch_open = False
 
         if not scheduled and not preempted and self.running and (self.swapped or self.waiting):
             # Every running sequence is a beam parked until a sibling computes, and that sibling cannot
             # get back in: make room, one parked beam per step, or the request never advances.
-            victim = max(self.running, key=_victim_key)
+            victim = max(self.running, key=self._victim_key)
             self.running.remove(victim)
             self._preempt(victim, swap_out)
             preempted.append(victim.seq_id)
@@ -149,26 +186,48 @@ class Scheduler:
         )
 
     def _make_room(
-        self, seq: Sequence, index: int, num_new: int, preempted: list[int], swap_out: BlockPairs
-    ) -> bool:
-        """Preempt until `seq` can write its next `num_new` tokens. Victims come from the sequences
-        not yet scheduled this step (those after `index`); `seq` itself goes last. Returns False if
-        `seq` was preempted."""
+        self, seq: Sequence, index: int, num_new: int, releasable: int, preempted: list[int], swap_out: BlockPairs
+    ) -> int:
+        """How many of its next `num_new` tokens `seq` computes this step, preempting until they fit.
+        Victims come from the sequences not yet scheduled this step (those after `index`); `seq`
+        itself goes last. With blocks about to be released (lookahead), a prompt computes only what
+        fits, possibly nothing this step, instead of preempting. Returns 0 if `seq` was preempted."""
         manager = self.block_manager
         start = seq.num_computed_tokens
-        while not manager.can_allocate(manager.num_blocks_needed(seq.seq_id, start, start + num_new)):
+
+        def fits() -> bool:
+            return manager.can_allocate(manager.num_blocks_needed(seq.seq_id, start, start + num_new))
+
+        if releasable and num_new > 1 and not fits():
+            return min(num_new, manager.num_writable_tokens(seq.seq_id, start))
+        while not fits():
             candidates = self.running[index + 1 :]
-            victim = max(candidates, key=_victim_key) if candidates else seq
+            victim = max(candidates, key=self._victim_key) if candidates else seq
             self.running.remove(victim)
             self._preempt(victim, swap_out)
             preempted.append(victim.seq_id)
             if victim is seq:
-                return False
-        return True
+                return 0
+        return num_new
+
+    def _blocks_released_soon(self) -> int:
+        """Blocks that decoding sequences hand back within `lookahead_admission_steps` steps because
+        they reach max_tokens by then (they may stop sooner, never later); 0 when lookahead is off."""
+        horizon = self.config.lookahead_admission_steps
+        if not horizon:
+            return 0
+        return sum(
+            self.block_manager.num_exclusive_blocks(seq.seq_id)
+            for seq in self.running
+            if seq.params.max_tokens is not None
+            and seq.output_token_ids
+            and seq.num_uncomputed_tokens == 1
+            and seq.params.max_tokens - len(seq.output_token_ids) <= horizon
+        )
 
     def _preempt(self, seq: Sequence, swap_out: BlockPairs) -> None:
         manager = self.block_manager
-        num_blocks = len(manager.block_table(seq.seq_id))
+        num_blocks = manager.num_held_blocks(seq.seq_id)
         fits_bandwidth = len(swap_out) + num_blocks <= self.config.max_swap_blocks_per_step
         if self.config.preemption_mode == "swap" and fits_bandwidth and manager.can_swap_out(seq.seq_id):
             swap_out.extend(manager.swap_out(seq.seq_id))
@@ -182,15 +241,51 @@ class Scheduler:
         self.counters.preemptions["recompute"] += 1
         self.add(seq)
 
-    def _next_to_admit(self) -> Sequence | None:
-        """The head of the swapped and waiting queues, whichever comes first in schedule order."""
-        if self.swapped and (not self.waiting or self.swapped[0].schedule_key <= self.waiting[0].schedule_key):
-            return self.swapped[0]
-        return self.waiting[0] if self.waiting else None
+    def _admit_queued(
+        self, budget: int, scheduled: list[ScheduledSequence], swap_in: BlockPairs, releasable: int
+    ) -> tuple[int, bool]:
+        """Admit swapped and waiting sequences, in admission order, until seats, budget or memory run
+        out. Returns the budget left and whether a prompt was passed over for a prefix block this
+        step computes."""
+        passed_over = False
+        for seq in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            num_new = self._admit(seq, budget, swap_in, releasable)
+            if num_new is None:
+                passed_over = True
+                continue
+            if num_new == 0:  # head-of-line: a later, smaller request does not jump a large one for memory
+                break
+            if self._head is not None and seq is not self._head and seq.priority == self._head.priority:
+                self._head_overtakes += 1
+            scheduled.append(self._schedule_one(seq, num_new))
+            budget -= num_new
+        return budget, passed_over
 
-    def _admit(self, seq: Sequence, budget: int, swap_in: BlockPairs) -> int:
+    def _admission_order(self) -> list[Sequence]:
+        """Swapped and waiting sequences in the order admission tries them: priority first; then
+        arrival, or, with prefix-aware ordering, the longest cached prefix first (swapped ones, which
+        hold their KV, ahead of waiting ones of the same priority)."""
+        if not (self.config.prefix_aware_ordering and self.block_manager.prefix_cache is not None and self.waiting):
+            return list(heapq.merge(self.swapped, self.waiting, key=_schedule_key))
+        head = self.waiting[0]
+        if head is not self._head:
+            self._head, self._head_overtakes = head, 0
+        head_first = self._head_overtakes >= self.config.prefix_ordering_max_overtakes
+        cached_prefix = self.block_manager.cached_prefix
+
+        def rank(seq: Sequence) -> tuple[int, bool, int, int]:
+            return (seq.priority, not (head_first and seq is head), -len(cached_prefix(seq)), seq.arrival_order)
+
+        window = self.config.prefix_ordering_window
+        waiting = sorted(self.waiting[:window], key=rank) + self.waiting[window:]
+        return list(heapq.merge(self.swapped, waiting, key=_priority))
+
+    def _admit(self, seq: Sequence, budget: int, swap_in: BlockPairs, releasable: int) -> int | None:
         """Move `seq` into the running batch if it fits, keeping the watermark free. Returns the
-        number of tokens to compute for it this step (0: it does not fit, nothing changed)."""
+        number of tokens to compute for it this step: 0 if it does not fit, None if its next prefix
+        block is being computed this step (nothing changed in either case)."""
         manager = self.block_manager
         size = manager.block_size
         # With nothing running no burst can preempt anything, and the reserve must not lock out a
@@ -200,31 +295,38 @@ class Scheduler:
             num_host = manager.num_host_blocks_of(seq.seq_id)
             num_new = min(seq.num_uncomputed_tokens, budget)
             stop = seq.num_computed_tokens + num_new
-            num_needed = max(num_host, -(-stop // size))
+            num_needed = manager.num_blocks_to_swap_in(seq.seq_id, stop)
             if len(swap_in) + num_host > self.config.max_swap_blocks_per_step:
                 return 0
             if not manager.can_allocate(num_needed, reserve=reserve):
                 return 0
-            self.swapped.pop(0)
+            self.swapped.remove(seq)
             swap_in.extend(manager.swap_in(seq.seq_id))
             self.counters.blocks_swapped_in += num_host
         else:
             cached = manager.cached_prefix(seq)
             reusable = min((seq.num_tokens - 1) // size, len(seq.block_hashes))  # no hashes: caching is off
             if len(cached) < reusable and seq.block_hashes[len(cached)] in self._blocks_in_flight:
-                # Its next block is being computed this step by a sequence with the same prefix: wait
-                # one step and find it cached, instead of computing it a second time.
-                return 0
+                # Another sequence with the same prefix computes its next block this step: next step
+                # it finds it cached, instead of computing it a second time.
+                return None
             num_cached = len(cached) * size
             num_new = min(seq.num_tokens - num_cached, budget)
             if num_new < seq.num_tokens - num_cached and not self.config.enable_chunked_prefill:
                 return 0
             num_needed = manager.num_blocks_needed(seq.seq_id, num_cached, num_cached + num_new, cached)
             if not manager.can_allocate(num_needed, cached, reserve=reserve):
-                return 0
-            self.waiting.pop(0)
+                # Lookahead: start the prompt in the blocks free now when the rest is about to be released.
+                writable = manager.num_writable_tokens(seq.seq_id, num_cached, cached, reserve)
+                lookahead = self.config.enable_chunked_prefill and writable > 0 and releasable > 0
+                if not (lookahead and num_needed <= writable // size + releasable):
+                    return 0
+                num_new = min(num_new, writable)
+            self.waiting.remove(seq)
             manager.allocate(seq.seq_id, num_cached, num_cached + num_new, cached)
             seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:  # a recomputed victim's own blocks are not a cache hit of the request
+                seq.num_cached_tokens = num_cached
             if manager.prefix_cache is not None:
                 self.counters.prefix_cache_queried_tokens += seq.num_tokens
                 self.counters.prefix_cache_hit_tokens += num_cached

@@ -27,6 +27,7 @@ class Sequence:
     arrival_order: int = 0  # FCFS tie-break; kept across preemption so a victim keeps its place
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when first admitted; None: not yet
     status: SequenceStatus = SequenceStatus.WAITING
     last_scheduled_step: int = -1  # preemption prefers victims that waited longest for a step
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks

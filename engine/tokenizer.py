@@ -41,6 +41,7 @@ class Tokenizer:
                 bos=(self._special_tokens["bos_token"], self.bos_token_id) if add_bos else None,
                 eos=(self._special_tokens["eos_token"], self.eos_token_id) if add_eos else None,
             )
+        self.chat_template: str | None = chat_template  # the jinja source, None when the folder has none
         self._chat_template = _compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
@@ -52,17 +53,26 @@ class Tokenizer:
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), config, _chat_template(path, config))
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object itself, for libraries that read the vocabulary (the grammar compiler)."""
+        return self._backend
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The template rendered as transformers renders it: `tools` (OpenAI tool dicts) is passed even when
+        None, so templates testing `tools is not none` behave as under transformers."""
         if self._chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; send a plain text prompt instead")
         return self._chat_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self._special_tokens
         )
 
     def _id_of(self, token: str | None) -> int | None:

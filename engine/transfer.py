@@ -20,9 +20,3 @@ def to_device(
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
-
-def tensor_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The same for a tensor already built on the host."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

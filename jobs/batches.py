@@ -1,13 +1,13 @@
-"""Batches as a client sees them: create, read, list, cancel. The work itself is in `jobs.pipeline`."""
+"""Batches as a client sees them: create, read, list, cancel. The work itself is in `jobs.run`."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import ColumnElement, exists, select
+from sqlalchemy import ColumnElement, exists, select, update
 from sqlalchemy.orm import Session
 
-from jobs.batch_format import ENDPOINTS
+from jobs.openai_format.requests import ENDPOINTS
 from jobs.errors import ServiceError
 from jobs.files import get_file
 from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, FilePurpose, utcnow
@@ -35,9 +35,11 @@ def create_batch(
     metadata: dict[str, str] | None,
     priority: int = 0,
     window_seconds: float | None = None,
+    output_expires_after_seconds: int | None = None,
 ) -> Batch:
     """window_seconds: how long the batch may take before it expires (Settings.completion_window_seconds);
-    None: the length completion_window names."""
+    None: the length completion_window names. output_expires_after_seconds: the output and error files' lifetime
+    from their creation (OpenAI's `output_expires_after`); None: kept until deleted."""
     check_batch_options(endpoint=endpoint, completion_window=completion_window, metadata=metadata)
     check_priority(priority)
     check_input_file(session, project_id, input_file_id)
@@ -50,6 +52,7 @@ def create_batch(
             completion_window=completion_window,
             priority=priority,
             batch_metadata=metadata,
+            output_expires_after_seconds=output_expires_after_seconds,
         ),
         window_seconds,
     )
@@ -184,6 +187,11 @@ def request_cancel(session: Session, project_id: str, batch_id: str, *, rag_job:
         session.flush()
     # Before its chunks exist the validate task owns the batch and finishes the cancel itself.
     return batch, batch.in_progress_at is not None
+
+
+def mark_validate_unsent(session: Session, batch_id: str) -> None:
+    """Its validate task could not be queued: the recovery sweep (`jobs.recovery`) sends it once Redis is back."""
+    session.execute(update(Batch).where(Batch.id == batch_id).values(validate_unsent=True))
 
 
 def has_pending_chunks(session: Session, batch_id: str) -> bool:

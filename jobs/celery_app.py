@@ -1,6 +1,8 @@
-"""The Celery application: Redis as broker, late acknowledgement, two queues, and beat's periodic sweeps.
+"""The Celery application: Redis as broker, late acknowledgement, queues by model, and beat's periodic sweeps.
 
-`control` carries validate and finalize (short, any worker); `gpu` carries run_chunk (the engine's work).
+`control` carries validate and finalize (short, any worker); `gpu.<model>` carries run_chunk of that model's batches
+(and validate of a batch read with that model's tokenizer), `gpu` the chunks of jobs bound to no model
+(`jobs.served_models`, `jobs.enqueue`).
 Every Redis key Celery writes carries the configured prefix, so deployments and test runs can share a server.
 Beat (`conveyor beat`) sends each sweep every `CONVEYOR_BEAT_INTERVAL_SECONDS`; the sweeps themselves are
 idempotent (each claims its rows in the database), so two beats or a restarted one do no harm.
@@ -15,22 +17,40 @@ from jobs.batches import MIN_PRIORITY as MIN_BATCH_PRIORITY
 from jobs.settings import Settings
 
 CONTROL_QUEUE = "control"
-GPU_QUEUE = "gpu"
 # The Redis transport's message priorities, 0 the most urgent (one Redis list per level, polled in order). Tasks
 # sent without one (validate, finalize, the sweeps) get 0: a freed worker thread takes them before any chunk.
 # Chunks get 1..9 from their batch's priority (lower runs first), the default batch priority 0 the middle level:
 # an urgent batch's chunks are fetched before queued bulk ones.
 MESSAGE_PRIORITIES = list(range(10))
 DEFAULT_CHUNK_MESSAGE_PRIORITY = 5
+
+
+class TaskName:
+    """The tasks' names: what a message carries. The tasks are defined by `jobs.tasks`, in workers only; everyone
+    else sends them by name (`jobs.enqueue`, beat)."""
+
+    validate = "conveyor.validate"
+    run_chunk = "conveyor.run_chunk"
+    finalize = "conveyor.finalize"
+    expire_batches = "conveyor.expire_batches"
+    recover_lost_work = "conveyor.recover_lost_work"
+    fire_due_schedules = "conveyor.fire_due_schedules"
+    deliver_webhook = "conveyor.deliver_webhook"
+    send_due_webhooks = "conveyor.send_due_webhooks"
+    delete_expired_files = "conveyor.delete_expired_files"
+
+
 PERIODIC_TASKS = {  # beat entry -> task name
-    "fire-due-schedules": "conveyor.fire_due_schedules",
-    "expire-batches": "conveyor.expire_batches",
-    "send-due-webhooks": "conveyor.send_due_webhooks",
+    "fire-due-schedules": TaskName.fire_due_schedules,
+    "expire-batches": TaskName.expire_batches,
+    "recover-lost-work": TaskName.recover_lost_work,
+    "send-due-webhooks": TaskName.send_due_webhooks,
+    "delete-expired-files": TaskName.delete_expired_files,
 }
 
 
 def create_celery_app(settings: Settings) -> Celery:
-    app = Celery("conveyor", broker=settings.redis_url, include=["jobs.tasks"])
+    app = Celery("conveyor", broker=settings.redis_url)
     app.conf.update(
         broker_transport="jobs.broker:Transport",  # kombu's Redis transport, surviving a Redis restart
         broker_transport_options={
@@ -49,7 +69,6 @@ def create_celery_app(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         task_default_queue=CONTROL_QUEUE,
-        task_routes={"conveyor.run_chunk": {"queue": GPU_QUEUE}},
         # A worker fetches a task only when a thread is free. Tasks prefetched into a worker would wait there in
         # arrival order behind its chunks, out of reach of a priority batch's chunks, validate, finalize and the
         # sweeps. Fetching costs a round trip; the engine does not notice, as a worker runs chunks for twice its

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-ErrorKind = Literal["invalid_request", "not_found", "conflict", "too_large", "unauthorized"]
+ErrorKind = Literal[
+    "invalid_request", "not_found", "conflict", "too_large", "unauthorized", "unavailable"
+]
 
 
 class ServiceError(Exception):

@@ -1,4 +1,5 @@
-"""The expiry sweep: batches still validating or running when their completion window ends become `expired`.
+"""The expiry sweep: batches still validating, running or cancelling when their completion window ends become
+`expired` (a finalizing batch is past stopping; `jobs.recovery` re-sends its finalize if it stalls).
 
 Beat sends the sweep every few seconds. It stops each such batch the way a cancel does: `expired_at` is set and
 the batch moves to `finalizing` under its row lock (so two sweeps, or a sweep and a cancel, cannot both claim
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from sqlalchemy import select
 
@@ -20,10 +21,7 @@ from jobs.stop_flags import StopFlags, StopReason
 
 log = logging.getLogger(__name__)
 
-EXPIRABLE_STATUSES = (BatchStatus.validating, BatchStatus.in_progress)
-# An expired batch still finalizing after this long lost its finalize task (a crash between the sweep's commit
-# and its enqueue, say); the sweep sends another. Finalize is idempotent, so an extra one costs little.
-STALLED_EXPIRY_SECONDS = 60
+EXPIRABLE_STATUSES = (BatchStatus.validating, BatchStatus.in_progress, BatchStatus.cancelling)
 
 
 def expire_due_batches(
@@ -32,8 +30,7 @@ def expire_due_batches(
     enqueue_finalize: Callable[[str], None],
     now: datetime | None = None,
 ) -> list[str]:
-    """Stop every batch past its `expires_at`; returns their ids. Also re-sends finalize for expired batches
-    that should have been finalized by now."""
+    """Stop every batch past its `expires_at`; returns their ids."""
     now = now or utcnow()
     with sessions.begin() as session:
         due = session.scalars(
@@ -46,15 +43,8 @@ def expire_due_batches(
         for batch in due:
             batch.status, batch.expired_at, batch.finalizing_at = BatchStatus.finalizing, now, now
         expired = [batch.id for batch in due]
-        stalled = session.scalars(
-            select(Batch.id).where(
-                Batch.status == BatchStatus.finalizing,
-                Batch.expired_at <= now - timedelta(seconds=STALLED_EXPIRY_SECONDS),
-            )
-        ).all()
     for batch_id in expired:
         log.info("batch %s expired: stopping it", batch_id)
         stop_flags.raise_flag(batch_id, StopReason.expired)
-    for batch_id in [*expired, *stalled]:
         enqueue_finalize(batch_id)
     return expired

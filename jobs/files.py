@@ -2,15 +2,59 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+import hashlib
+import logging
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+
+from sqlalchemy import ColumnElement, or_, select
 from sqlalchemy.orm import Session
 
+from jobs.db import SessionFactory
 from jobs.errors import ServiceError
-from jobs.models import File, FilePurpose
+from jobs.models import File, FilePurpose, utcnow
 from jobs.pagination import Order, Page, paginate
 from jobs.storage import ObjectStore
 
+log = logging.getLogger(__name__)
+
+# Only batch inputs are uploaded: OpenAI's other purposes (fine-tune, assistants, vision, user_data, evals) name
+# features this service does not have, so they are refused rather than stored for nothing.
 UPLOADABLE_PURPOSES = (FilePurpose.batch,)
+UPLOAD_FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")  # the form's text fields
+# OpenAI's bounds on `expires_after.seconds` (files and batch outputs): one hour to 30 days.
+MIN_EXPIRY_SECONDS, MAX_EXPIRY_SECONDS = 3600, 30 * 24 * 3600
+EXPIRED_FILES_PER_SWEEP = 500  # rows one sweep deletes; the next sweep (seconds later) takes the rest
+
+
+def expiry_seconds(anchor: object, seconds: object, param: str) -> int:
+    """OpenAI's `expires_after` ({"anchor": "created_at", "seconds": N}), checked: N seconds after creation."""
+    if anchor != "created_at":
+        raise ServiceError("invalid_request", f"{param}.anchor must be 'created_at', got {anchor!r}", param=param)
+    try:
+        value = int(seconds)  # type: ignore[call-overload]  # a form field arrives as text
+    except (TypeError, ValueError):
+        raise ServiceError("invalid_request", f"{param}.seconds must be an integer, got {seconds!r}", param=param) from None
+    if not MIN_EXPIRY_SECONDS <= value <= MAX_EXPIRY_SECONDS:
+        raise ServiceError(
+            "invalid_request",
+            f"{param}.seconds must be between {MIN_EXPIRY_SECONDS} and {MAX_EXPIRY_SECONDS}, got {value}",
+            param=param,
+        )
+    return value
+
+
+def upload_expiry(fields: Mapping[str, str], created_at: datetime) -> datetime | None:
+    """When an upload expires, from its `expires_after[...]` form fields; None: never."""
+    if "expires_after[anchor]" not in fields and "expires_after[seconds]" not in fields:
+        return None
+    seconds = expiry_seconds(fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]"), "expires_after")
+    return created_at + timedelta(seconds=seconds)
+
+
+def _live() -> ColumnElement[bool]:
+    """Files not expired: an expired file is gone for every reader, before the sweep deletes its bytes."""
+    return or_(File.expires_at.is_(None), File.expires_at > utcnow())
 
 
 def parse_upload_purpose(purpose: str | None) -> FilePurpose:
@@ -20,17 +64,41 @@ def parse_upload_purpose(purpose: str | None) -> FilePurpose:
     return FilePurpose(purpose)
 
 
+def derived_file_id(job_id: str, role: str) -> str:
+    """The id of a file a job makes (its output, errors, manifest, a prefix's listing): the same on every attempt,
+    so a retried finalize or fire cannot add a twin."""
+    return "file-" + hashlib.sha256(f"{job_id}/{role}".encode()).hexdigest()[:24]
+
+
 def record_file(
-    session: Session, *, file_id: str, project_id: str, filename: str, purpose: FilePurpose, size: int, object_key: str
+    session: Session,
+    *,
+    file_id: str,
+    project_id: str,
+    filename: str,
+    purpose: FilePurpose,
+    size: int,
+    object_key: str,
+    created_at: datetime | None = None,
+    expires_at: datetime | None = None,
 ) -> File:
-    row = File(id=file_id, project_id=project_id, filename=filename, purpose=purpose, bytes=size, object_key=object_key)
+    row = File(
+        id=file_id,
+        project_id=project_id,
+        filename=filename,
+        purpose=purpose,
+        bytes=size,
+        object_key=object_key,
+        created_at=created_at or utcnow(),
+        expires_at=expires_at,
+    )
     session.add(row)
     session.flush()
     return row
 
 
 def get_file(session: Session, project_id: str, file_id: str) -> File:
-    row = session.scalar(select(File).where(File.id == file_id, File.project_id == project_id))
+    row = session.scalar(select(File).where(File.id == file_id, File.project_id == project_id, _live()))
     if row is None:
         raise ServiceError("not_found", f"No such File object: {file_id}", param="file_id")
     return row
@@ -39,7 +107,7 @@ def get_file(session: Session, project_id: str, file_id: str) -> File:
 def list_files(
     session: Session, project_id: str, *, after: str | None, limit: int, order: Order, purpose: str | None
 ) -> Page[File]:
-    filters = []
+    filters = [_live()]
     if purpose is not None:
         if purpose not in FilePurpose.__members__:
             raise ServiceError("invalid_request", f"unknown purpose {purpose!r}", param="purpose")
@@ -53,3 +121,20 @@ def delete_file(session: Session, store: ObjectStore, project_id: str, file_id: 
     # The row goes first: a crash between the two leaves an orphaned object, never a row without bytes.
     session.commit()
     store.delete(row.object_key)
+
+
+def delete_expired_files(sessions: SessionFactory, store: ObjectStore) -> int:
+    """Beat's sweep: expired files' rows, then their objects (a crash between leaves an orphan object, never a row
+    without bytes). Returns how many were deleted."""
+    with sessions.begin() as session:
+        expired = session.scalars(
+            select(File).where(File.expires_at <= utcnow()).limit(EXPIRED_FILES_PER_SWEEP).with_for_update(skip_locked=True)
+        ).all()
+        keys = [row.object_key for row in expired]
+        for row in expired:
+            session.delete(row)
+    for key in keys:
+        store.delete(key)
+    if keys:
+        log.info("deleted %d expired files", len(keys))
+    return len(keys)

@@ -21,7 +21,7 @@ ResultT = TypeVar("ResultT")
 
 
 class LazyEmbedder:
-    """A `jobs.batch_format.TextEmbedder` whose model is built by `make_embedder` on first use."""
+    """A `jobs.openai_format.records.TextEmbedder` whose model is built by `make_embedder` on first use."""
 
     def __init__(self, model_name: str, make_embedder: Callable[[], Embedder]) -> None:
         self.model_name = model_name

@@ -65,6 +65,7 @@ class File(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     object_key: Mapped[str] = mapped_column(String(1024))  # relative to the configured S3 prefix
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # None: kept until deleted
 
 
 class BatchStatus(str, enum.Enum):
@@ -102,6 +103,14 @@ class Batch(Base):
     # The inbox prefix a RAG job's documents were listed from (its input file is that listing); None otherwise.
     input_prefix: Mapped[str | None] = mapped_column(String(1024))
     status: Mapped[BatchStatus] = mapped_column(Enum(BatchStatus, name="batch_status"), default=BatchStatus.validating)
+    # The served model's id its lines resolve to (`jobs.served_models`), set by validate from the first line; the name
+    # as written when nobody serves it. None for jobs bound to no model (RAG) and before validate.
+    model: Mapped[str | None] = mapped_column(String(256))
+    # Token usage of the lines answered so far, moved with the counts (`jobs.run.ledger.finish_chunk`).
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # of input, prefix cache hits
+    output_expires_after_seconds: Mapped[int | None] = mapped_column(Integer)  # output/error files' lifetime
     batch_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONB)
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)  # batch-level errors (OpenAI's errors.data)
     total_requests: Mapped[int] = mapped_column(Integer, default=0)
@@ -118,6 +127,8 @@ class Batch(Base):
     expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Its validate task could not be queued (Redis down when it was created): the recovery sweep sends it.
+    validate_unsent: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
 
 
 class ChunkStatus(str, enum.Enum):
@@ -255,4 +266,20 @@ class ScheduleFire(Base):
     fire_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
     batch_id: Mapped[str | None] = mapped_column(String(64))  # or the RAG job's id; None: the fire failed (see error)
     error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class IdempotentRequest(Base):
+    """A create request made with an `Idempotency-Key`, and the answer it got: a retry with the same key replays it.
+
+    Kept in PostgreSQL, in the transaction that creates the object, so the object and its key commit together or
+    not at all, whatever happens to Redis (down being exactly when clients retry)."""
+
+    __tablename__ = "idempotent_requests"
+    __table_args__ = (Index("ix_idempotent_requests_created", "created_at"),)
+
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))  # sha256 of the route and the request's parameters
+    response: Mapped[dict[str, Any]] = mapped_column(JSONB)  # the body answered the first time (status 200)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

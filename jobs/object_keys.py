@@ -33,7 +33,7 @@ def inbox_key(project_id: str, relative_key: str) -> str:
 
 
 def rag_cache_prefix(project_id: str) -> str:
-    """Where a project's cached RAG chunks live (`jobs.rag.processing.ObjectStoreChunkCache`), one object per
+    """Where a project's cached RAG chunks live (`jobs.rag.processing.ObjectStorePassageCache`), one object per
     document and settings. Per project: a cache hit would otherwise tell one tenant what another processed."""
     return f"rag-cache/{project_id}/"
 

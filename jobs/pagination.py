@@ -58,7 +58,7 @@ def paginate_within(
     if after is not None:
         cursor = session.execute(select(model.created_at, model.id).where(scope, model.id == after)).first()
         if cursor is None:
-            raise ServiceError("invalid_request", f"no such object to page after: {after!r}", param="after")
+            raise ServiceError("not_found", f"no such object to page after: {after!r}", param="after")
         query = query.where(key < tuple_(*cursor) if order == "desc" else key > tuple_(*cursor))
     ordering = (model.created_at.desc(), model.id.desc()) if order == "desc" else (model.created_at, model.id)
     rows = list(session.scalars(query.order_by(*ordering).limit(limit + 1)))

@@ -1,8 +1,13 @@
-"""Service configuration, read once from environment variables (the README's table lists them all).
+"""Service configuration, read once from environment variables (the README's table is generated from this class).
 
 Every process of the service (API, worker, migrations) builds one `Settings` from its environment, so
 one `.env` file or one set of container variables configures the whole stack. S3 credentials are
 boto3's own: `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` (or any other source boto3 knows).
+
+`Settings(...)` holds exactly what it is given (tests and `conveyor up` build settings for other processes, which
+read them back from the variables `to_env` writes); `Settings.from_env()` reads the environment through
+pydantic-settings: `CONVEYOR_<FIELD>`, `CONVEYOR_S3_<FIELD>` for the S3 fields, and `CONVEYOR_ENGINE_<FIELD>` for
+any `EngineConfig` field. A variable that does not parse fails with its name in the message.
 """
 
 from __future__ import annotations
@@ -12,69 +17,179 @@ import math
 import os
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError, model_validator
+from pydantic.dataclasses import dataclass
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from engine.config import EngineConfig
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
+from jobs.served_models import parse_aliases
 
 ENV_PREFIX = "CONVEYOR_"
-LOG_FORMATS = ("json", "text")
+# Longest input line validated; a longer one is that line's error, never read whole. A million-token context is
+# ~4 MB of text, and JSON's escapes at most triple that: no request an engine could run is longer.
+DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024
+S3_ENV_PREFIX = "CONVEYOR_S3_"
 ENGINE_ENV_PREFIX = "CONVEYOR_ENGINE_"  # + any EngineConfig field in upper case, e.g. CONVEYOR_ENGINE_MAX_NUM_SEQS
+LOG_FORMATS = ("json", "text")
+SettingsT = TypeVar("SettingsT", "Settings", "S3Settings")
+
+
+def _blank_is_none(value: object) -> object:
+    """An optional setting's variable set to "" or "none" means unset."""
+    return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
+
+
+def _int_in_any_notation(value: object) -> object:
+    """Integers may be written 2e8."""
+    if isinstance(value, str) and "e" in value.lower():
+        try:
+            return int(float(value))
+        except ValueError:  # not a number at all: pydantic says so
+            return value
+    return value
+
+
+# Before-validators run last-listed first: list Optional after Integer.
+Optional = BeforeValidator(_blank_is_none)
+Integer = BeforeValidator(_int_in_any_notation)
 
 
 @dataclass(frozen=True)
 class S3Settings:
-    endpoint_url: str | None = None  # None: AWS itself; e.g. http://127.0.0.1:8333 for SeaweedFS or MinIO
-    bucket: str = "conveyor"
-    prefix: str = ""  # prepended to every object key, e.g. "prod/"
-    region: str = "us-east-1"
+    endpoint_url: Annotated[str | None, Optional] = Field(
+        None, description="S3-compatible endpoint, e.g. `http://127.0.0.1:8333`; unset: AWS itself"
+    )
+    bucket: str = Field("conveyor", description="bucket (created if missing)")
+    prefix: str = Field("", description="prefix of every object key, e.g. `prod/`")
+    region: str = Field("us-east-1", description="signing region")
 
 
-@dataclass(frozen=True)
-class Settings:
-    database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/conveyor"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "conveyor:"  # prefix of every Redis key the service writes (Celery queues included)
-    s3: S3Settings = field(default_factory=S3Settings)
-    model: str = DEFAULT_MODEL  # model name, .gguf file or Hugging Face folder, as `conveyor run --model`
-    # What answers /v1/embeddings batches: the bundled model's name or a sentence-transformers folder; loaded by a
-    # worker on its first embeddings chunk, with the same dtype and device as the model.
-    embedding_model: str = DEFAULT_EMBEDDING_MODEL
-    dtype: str = "auto"
-    device: str | None = None  # None: cuda when available, else cpu
-    engine_options: Mapping[str, Any] = field(default_factory=dict)  # EngineConfig fields overriding defaults
-    chunk_size: int = 100  # requests per run_chunk task
-    rag_documents_per_chunk: int = 16  # documents per run_chunk task of a RAG job
-    worker_concurrency: int | None = None  # run_chunk tasks one worker runs at once; None: enough to fill the batch
-    max_upload_bytes: int = 200 * 1000 * 1000  # largest file POST /v1/files accepts (200 MB)
-    task_visibility_timeout: float = 600.0  # seconds before Redis hands an unacknowledged task to another worker
-    chunk_lease_seconds: float = 60.0  # a running chunk's claim; renewed while it runs, lapses when its worker dies
-    beat_interval_seconds: float = 10.0  # how often beat runs the periodic sweeps (schedules, expiry, webhook retries)
-    # How long a new batch may run before it expires, whatever its completion_window says; None: the window's own
-    # length (24h). For tests and deployments that want a shorter deadline.
-    completion_window_seconds: float | None = None
-    # Comma-separated hostnames, IPs and CIDRs that may receive webhooks although they are not public addresses.
-    webhook_allowed_hosts: str = ""
-    webhook_retry_scale: float = 1.0  # multiplies the webhook retry delays (5 s ... 10 h); tests use a small fraction
-    api_host: str = "127.0.0.1"
-    api_port: int = 8000
-    worker_metrics_host: str = "127.0.0.1"  # where a worker serves /metrics and /healthz
-    worker_metrics_port: int = 9464  # 0: no metrics server (several workers on one host need one port each)
-    log_format: str = "json"  # "json": one JSON object per line, with batch_id / chunk_index while a task runs; "text"
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
+    database_url: str = Field(
+        "postgresql+psycopg://postgres@127.0.0.1:5432/conveyor",
+        description="PostgreSQL (SQLAlchemy URL, psycopg 3 driver)",
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis: the Celery broker and chunk leases")
+    redis_prefix: str = Field(
+        "conveyor:", description="prefix of every Redis key the service writes (deployments can share a server)"
+    )
+    s3: S3Settings = Field(default_factory=S3Settings)
+    model: str = Field(DEFAULT_MODEL, description="model name, `.gguf` file or Hugging Face folder")
+    embedding_model: str = Field(
+        DEFAULT_EMBEDDING_MODEL,
+        description="what answers `/v1/embeddings` batches and embeds RAG passages: the bundled model or a "
+        "sentence-transformers folder (same dtype and device as the model), loaded on a worker's first use",
+    )
+    served_model_names: str = Field(
+        "",
+        description="comma-separated names the worker's model answers to in a line's `model`; the first is its id "
+        "(its queue, the `model` of the batches it runs); empty: the model's own name, e.g. `smollm2-135m-instruct`",
+    )
+    model_aliases: str = Field(
+        "",
+        description="aliases from other (e.g. OpenAI) names to served ones: `gpt-4o-mini=smollm2-135m-instruct,...` "
+        "or a JSON object; empty: none, and a line naming a model nobody serves fails with `model_not_found`",
+    )
+    dtype: str = Field(
+        "auto", description="`auto` (bf16 on GPUs and CPUs with fast bf16, else float32), `bfloat16`, `float32`"
+    )
+    device: Annotated[str | None, Optional] = Field(None, description="`cpu` or `cuda`; unset: cuda when available")
+    engine_options: Mapping[str, Any] = Field(default_factory=dict)  # EngineConfig fields overriding its defaults
+    chunk_size: Annotated[int, Integer] = Field(100, description="requests per `run_chunk` task")
+    rag_documents_per_chunk: Annotated[int, Integer] = Field(
+        16, description="documents per `run_chunk` task of a RAG job"
+    )
+    worker_concurrency: Annotated[int | None, Integer, Optional] = Field(
+        None,
+        description="run_chunk tasks one worker runs at once; unset: enough for twice `max_num_seqs` requests",
+    )
+    max_upload_bytes: Annotated[int, Integer] = Field(
+        200 * 1000 * 1000, description="bytes: the largest upload `POST /v1/files` accepts (413 above)"
+    )
+    max_line_bytes: Annotated[int, Integer] = Field(
+        DEFAULT_MAX_LINE_BYTES,
+        description="bytes: the longest batch input line validated (16 MiB); a longer one is its line's "
+        "`request_too_large` error, never read whole",
+    )
+    max_form_field_bytes: Annotated[int, Integer] = Field(
+        4096, description="bytes: one text field's value in a `POST /v1/files` form (`purpose`); 400 above"
+    )
+    max_form_part_header_bytes: Annotated[int, Integer] = Field(
+        8192, description="bytes: one part's headers in a `POST /v1/files` form (file name, type); 400 above"
+    )
+    task_visibility_timeout: float = Field(
+        600.0, description="seconds before an unacknowledged task (a dead worker's) is delivered again"
+    )
+    chunk_lease_seconds: float = Field(
+        60.0, description="seconds: a running chunk's Redis lease, renewed while it runs, lapses when its worker dies"
+    )
+    beat_interval_seconds: float = Field(
+        10.0, description="seconds between beat's periodic sweeps (schedules, expiry, webhook retries)"
+    )
+    completion_window_seconds: Annotated[float | None, Optional] = Field(
+        None,
+        description="seconds a new batch may run before it expires, whatever its `completion_window`; "
+        "unset: the window's own length (24 h)",
+    )
+    webhook_allowed_hosts: str = Field(
+        "",
+        description="comma-separated hostnames, IPs and CIDRs that may receive webhooks although they are not "
+        "public (e.g. `hooks.internal,10.1.0.0/16`)",
+    )
+    webhook_retry_scale: float = Field(
+        1.0, description="multiplies the webhook retry delays (5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h)"
+    )
+    api_host: str = Field("127.0.0.1", description="where `conveyor api` listens (`--host` overrides)")
+    api_port: Annotated[int, Integer] = Field(8000, description="the port `conveyor api` listens on (`--port` overrides)")
+    worker_metrics_host: str = Field("127.0.0.1", description="where a worker serves `/metrics` and `/healthz`")
+    worker_metrics_port: Annotated[int, Integer] = Field(
+        9464, description="the port of a worker's `/metrics` and `/healthz`; 0: none (one port per worker on a host)"
+    )
+    worker_devices: str = Field(
+        "",
+        description="comma-separated devices split into groups of the engine's `tensor_parallel_size`, one engine "
+        "(worker process) per group: CUDA indices (`0,1,2,3,4,5,6,7`) or `cpu` entries; group i serves metrics on "
+        "`worker_metrics_port` + i; empty: one engine on `device`",
+    )
+    log_format: str = Field(
+        "json",
+        description="`json` (one object per line, with `batch_id` / `chunk_index` while a task runs) or `text`",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"CONVEYOR_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if self.chunk_size < 1:
             raise ValueError(f"CONVEYOR_CHUNK_SIZE must be >= 1, got {self.chunk_size}")
         if self.rag_documents_per_chunk < 1:
             raise ValueError(f"CONVEYOR_RAG_DOCUMENTS_PER_CHUNK must be >= 1, got {self.rag_documents_per_chunk}")
-        if self.max_upload_bytes < 1:
-            raise ValueError(f"CONVEYOR_MAX_UPLOAD_BYTES must be >= 1, got {self.max_upload_bytes}")
+        for name in ("max_upload_bytes", "max_line_bytes", "max_form_field_bytes", "max_form_part_header_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CONVEYOR_{name.upper()} must be >= 1, got {getattr(self, name)}")
+        parse_aliases(self.model_aliases)  # a malformed value fails every process at start, not a batch later
         unknown = set(self.engine_options) - {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown:
             raise ValueError(f"unknown engine options {sorted(unknown)}")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)  # the environment only through from_env
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -89,65 +204,71 @@ class Settings:
         return max(2, math.ceil(2 * self.engine_config.max_num_seqs / self.chunk_size))
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            name = ENV_PREFIX + f.name.upper()
-            if f.name in ("s3", "engine_options") or name not in env:
-                continue
-            values[f.name] = _parse(env[name], _field_types(cls)[f.name], name)
-        s3_values = {
-            f.name: _parse(env[ENV_PREFIX + "S3_" + f.name.upper()], _field_types(S3Settings)[f.name], f.name)
-            for f in dataclasses.fields(S3Settings)
-            if ENV_PREFIX + "S3_" + f.name.upper() in env
-        }
-        engine_types = _field_types(EngineConfig)
-        engine_options = {
-            name: _parse(env[ENGINE_ENV_PREFIX + name.upper()], engine_types[name], ENGINE_ENV_PREFIX + name.upper())
-            for name in engine_types
-            if ENGINE_ENV_PREFIX + name.upper() in env
-        }
-        return cls(**values, s3=S3Settings(**s3_values), engine_options=engine_options)
+        values = _EnvironSource(cls, env)()
+        values["engine_options"] = _engine_options(env)
+        try:
+            return cls(**values)
+        except ValidationError as invalid:
+            raise ValueError("; ".join(_describe(error) for error in invalid.errors())) from None
 
     def to_env(self) -> dict[str, str]:
         """The variables that reproduce these settings in another process (the inverse of `from_env`)."""
         env: dict[str, str] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "s3":
-                env.update(
-                    {
-                        ENV_PREFIX + "S3_" + k.upper(): str(v)
-                        for k, v in dataclasses.asdict(value).items()
-                        if v is not None
-                    }
-                )
-            elif f.name == "engine_options":
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if name == "s3":
+                env.update({S3_ENV_PREFIX + k.upper(): str(v) for k, v in dataclasses.asdict(value).items() if v is not None})
+            elif name == "engine_options":
                 env.update({ENGINE_ENV_PREFIX + k.upper(): str(v) for k, v in value.items()})
             elif value is not None:
-                env[ENV_PREFIX + f.name.upper()] = str(value)
+                env[ENV_PREFIX + name.upper()] = str(value)
         return env
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def replace(settings: SettingsT, **changes: Any) -> SettingsT:
+    """`settings` (a `Settings` or `S3Settings`) with some fields changed, checked again."""
+    if isinstance(settings, S3Settings):
+        return dataclasses.replace(settings, **changes)
+    return type(settings)(**{**dict(settings), **changes})
 
 
-def _parse(raw: str, annotation: Any, name: str) -> Any:
-    kinds = [arg for arg in typing.get_args(annotation) if arg is not type(None)] or [annotation]
-    if type(None) in typing.get_args(annotation) and raw.strip().lower() in ("", "none"):
-        return None
-    kind = kinds[0]
-    try:
-        if kind is bool:
-            if raw.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                raise ValueError(f"expected true or false, got {raw!r}")
-            return raw.strip().lower() in ("1", "true", "yes", "on")
-        if kind is int:
-            return int(float(raw)) if "e" in raw.lower() else int(raw)
-        if kind is float:
-            return float(raw)
-        return raw
-    except ValueError as invalid:
-        raise ValueError(f"environment variable {name}: {invalid}") from None
+class _EnvironSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping; the S3 fields as CONVEYOR_S3_<FIELD>."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls, env_nested_delimiter="_", env_nested_max_split=1)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {name.lower(): value for name, value in self._environ.items()}  # names are case-insensitive
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        if field_name == "engine_options":  # read by _engine_options, under its own prefix
+            return None, field_name, False
+        return super().get_field_value(field, field_name)
+
+
+def _engine_options(env: Mapping[str, str]) -> dict[str, Any]:
+    """The EngineConfig fields set by CONVEYOR_ENGINE_<FIELD>, each parsed as its field's type."""
+    options: dict[str, Any] = {}
+    for name, annotation in typing.get_type_hints(EngineConfig).items():
+        variable = ENGINE_ENV_PREFIX + name.upper()
+        if variable not in env:
+            continue
+        try:
+            options[name] = TypeAdapter(annotation).validate_python(_blank_is_none(env[variable]))
+        except ValidationError as invalid:
+            raise ValueError(_describe(invalid.errors()[0], variable)) from None
+    return options
+
+
+def _describe(error: ErrorDetails, variable: str | None = None) -> str:
+    location = [str(part) for part in error["loc"]]
+    if variable is None and location:
+        variable = ENV_PREFIX + "_".join(location).upper()
+    message = "expected true or false" if error["type"] == "bool_parsing" else error["msg"]
+    if error["type"] == "value_error":  # our own checks name their variable
+        return str(error["ctx"]["error"]) if "ctx" in error else message
+    return f"environment variable {variable}: {message}, got {error['input']!r}"

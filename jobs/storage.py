@@ -23,7 +23,7 @@ from typing import Any, TypeAlias
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, ParamValidationError
 
 from jobs.settings import S3Settings
 
@@ -36,6 +36,16 @@ DEFAULT_CHUNK_BYTES = 1 * MiB
 MAX_PARTS = 10_000  # S3's ceiling on parts in one multipart upload
 _DELETE_BATCH = 1000  # DeleteObjects takes at most this many keys
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})  # HEAD has no body, so only "404" names it
+_KEY_REFUSED_STATUSES = frozenset({400, 414})  # bad request, URI too long
+
+
+class ObjectRefused(Exception):
+    """The store refused the key itself (400 or 414: a key it cannot name): retrying would not help. Everything else
+    propagates as it is: a 5xx or a lost connection (transient), 403 (the deployment's credentials), 416 (a range)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"the object store refused {key!r}: {reason}")
+        self.key = key
 
 
 class ObjectNotFound(KeyError):
@@ -258,9 +268,14 @@ class ObjectStore:
         """GetObject's response, its body still to read."""
         try:
             return self._client.get_object(Bucket=self.settings.bucket, Key=self._full(key), **options)
+        except (ParamValidationError, UnicodeEncodeError) as invalid:  # refused before it is sent
+            raise ObjectRefused(key, str(invalid)) from None
         except ClientError as error:
             if _error_code(error) in _NOT_FOUND_CODES:
                 raise ObjectNotFound(key) from None
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if status in _KEY_REFUSED_STATUSES:
+                raise ObjectRefused(key, f"{_error_code(error)} ({status})") from None
             raise
 
     def _full(self, key: str) -> str:

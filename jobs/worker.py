@@ -1,13 +1,13 @@
 """The GPU worker process: one engine, stepped by its own thread, fed by many concurrent run_chunk tasks.
 
 Celery runs tasks on a thread pool here, so every run_chunk of this process submits into the same
-`EngineLoop`: the running batch stays full across chunk, job and tenant boundaries.
+`EngineLoop`: the running batch stays full across chunk, job and tenant boundaries. Everything the tasks use is
+built and wired here, once, before the worker consumes: the engine, the job kinds, the pipeline, the tasks.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 from redis import Redis
 
@@ -15,28 +15,31 @@ from engine.embedder import Embedder
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.model_registry import resolve_embedding_model
-from jobs.celery_app import CONTROL_QUEUE, GPU_QUEUE, celery_app
+from jobs import enqueue
+from jobs.batches import RAG_ENDPOINT
+from jobs.celery_app import CONTROL_QUEUE, celery_app
 from jobs.db import make_engine, make_session_factory
 from jobs.lazy_embedder import LazyEmbedder
-from jobs.pipeline import EngineHandle, Pipeline
-from jobs.rag.job_pipeline import RagJobRunner
+from jobs.openai_format.requests import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES
+from jobs.rag.kind import RagKind
+from jobs.run.embeddings import EmbeddingsKind
+from jobs.run.generation import GenerationKind
+from jobs.run.kinds import EngineHandle, JobKind
+from jobs.run.pipeline import Pipeline
+from jobs.served_models import UNROUTED_QUEUE, ModelRegistry, WorkerModels, parse_aliases, parse_names, process_models
 from jobs.settings import Settings
 from jobs.stop_flags import StopFlags
-from jobs.worker_metrics import start_worker_telemetry
 from jobs.storage import ObjectStore
+from jobs.tasks import register_tasks
+from jobs.telemetry.worker_metrics import start_worker_telemetry
 
 log = logging.getLogger(__name__)
 
 # Slots beyond the chunk tasks, so validate and finalize never wait behind a full house of chunks.
 CONTROL_SLOTS = 2
 
-_pipeline: Pipeline | None = None
-_pipeline_lock = threading.Lock()
 
-
-def build_pipeline(settings: Settings) -> Pipeline:
-    from jobs import tasks
-
+def build_engine(settings: Settings) -> EngineLoop:
     # Only found, not loaded (see LazyEmbedder): a misnamed embedding model fails the worker now, not a batch later.
     resolve_embedding_model(settings.embedding_model)
     log.info("loading model %s", settings.model)
@@ -47,48 +50,70 @@ def build_pipeline(settings: Settings) -> Pipeline:
     if engine.tokenizer is None:
         loop.stop()
         raise ValueError(f"model {settings.model!r} has no tokenizer; the batch API needs one to read prompts")
+    return loop
+
+
+def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
+    engine = loop.engine
+    assert engine.tokenizer is not None  # build_engine refuses a model without one
     store = ObjectStore(settings.s3)
     store.ensure_bucket()
     redis = Redis.from_url(settings.redis_url)
+    stop_flags = StopFlags(redis, settings.redis_prefix)
+    models = worker_models(settings, engine.model_name, redis)
     engine_handle = EngineHandle(
-        loop=loop, tokenizer=engine.tokenizer, max_model_len=engine.max_model_len, model_name=engine.model_name
+        loop=loop,
+        tokenizer=engine.tokenizer,
+        max_model_len=engine.max_model_len,
+        model_name=models.default("generation"),
+        served=models.names,
+        admission_limits=engine.admission_limits,
     )
     embedder = LazyEmbedder(
         settings.embedding_model,
         lambda: Embedder(settings.embedding_model, dtype=settings.dtype, device=settings.device),
     )
+    generation = GenerationKind(engine_handle, store, stop_flags, settings.chunk_size)
+    kinds: dict[str, JobKind] = {
+        CHAT_COMPLETIONS: generation,
+        COMPLETIONS: generation,
+        RESPONSES: generation,
+        EMBEDDINGS: EmbeddingsKind(engine_handle, store, embedder, settings.chunk_size),
+        RAG_ENDPOINT: RagKind(settings=settings, store=store, stop_flags=stop_flags, engine=engine_handle, embedder=embedder),
+    }
     return Pipeline(
         settings=settings,
         sessions=make_session_factory(make_engine(settings.database_url)),
         store=store,
         redis=redis,
-        engine=engine_handle,
-        embedder=embedder,
-        rag=RagJobRunner(
-            settings=settings,
-            store=store,
-            stop_flags=StopFlags(redis, settings.redis_prefix),
-            engine=engine_handle,
-            embedder=embedder,
-        ),
-        enqueue_run_chunk=tasks.enqueue_run_chunk,
-        enqueue_finalize=tasks.enqueue_finalize,
-        enqueue_webhook_deliveries=tasks.enqueue_webhook_deliveries,
+        kinds=kinds,
+        models=models,
+        enqueue_validate=enqueue.validate,
+        enqueue_run_chunk=enqueue.run_chunk,
+        enqueue_finalize=enqueue.finalize,
+        enqueue_webhook_deliveries=enqueue.webhook_deliveries,
     )
 
 
-def get_pipeline() -> Pipeline:
-    global _pipeline
-    with _pipeline_lock:
-        if _pipeline is None:
-            _pipeline = build_pipeline(Settings.from_env())
-        return _pipeline
+def worker_models(settings: Settings, engine_model_name: str, redis: Redis) -> WorkerModels:
+    names = parse_names(settings.served_model_names) or [engine_model_name]
+    return WorkerModels(
+        process_models(names, settings.embedding_model),
+        ModelRegistry(redis, settings.redis_prefix),
+        parse_aliases(settings.model_aliases),
+    )
 
 
-def run_worker(settings: Settings, queues: list[str] | None = None, loglevel: str = "INFO") -> None:
+def run_worker(
+    settings: Settings, queues: list[str] | None = None, loglevel: str = "INFO", node_name: str | None = None
+) -> None:
+    """Consume `queues`; None: the control queue, the unrouted one and the queues of the models this worker serves."""
     concurrency = settings.effective_worker_concurrency + CONTROL_SLOTS
-    pipeline = get_pipeline()  # before consuming: a model that cannot load fails the worker at start, not every task
-    start_worker_telemetry(settings, pipeline.engine.loop)
+    loop = build_engine(settings)  # before consuming: a model that cannot load fails the worker at start
+    pipeline = build_pipeline(settings, loop)
+    register_tasks(celery_app, pipeline)
+    pipeline.models.registry.announce(pipeline.models.served)  # only now: its batches can be validated here
+    start_worker_telemetry(settings, loop)
     celery_app.worker_main(
         [
             # Celery's start-up banner is many lines of plain text, which would break a stream of JSON lines.
@@ -96,9 +121,10 @@ def run_worker(settings: Settings, queues: list[str] | None = None, loglevel: st
             "worker",
             "--pool=threads",
             f"--concurrency={concurrency}",
-            "--queues=" + ",".join(queues or [GPU_QUEUE, CONTROL_QUEUE]),
+            "--queues=" + ",".join(queues or [CONTROL_QUEUE, UNROUTED_QUEUE, *pipeline.models.queues()]),
             f"--loglevel={loglevel}",
             "--without-gossip",
             "--without-mingle",
+            *([f"--hostname={node_name}"] if node_name else []),
         ]
     )

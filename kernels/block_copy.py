@@ -8,6 +8,8 @@ K and V cache at once.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.triton_utils import interpreter_enabled, require_triton, tl, triton
@@ -43,16 +45,26 @@ def _copy_blocks_kernel(
 
 def _check_pool(caches: list[torch.Tensor], like: torch.Tensor) -> None:
     for cache in caches:
-        if cache.shape[1:] != like.shape[1:] or cache.dtype != like.dtype or cache.device != like.device:
-            raise ValueError("all caches must share block shape, dtype and device")
+        if cache.shape[1:] != like.shape[1:] or cache.dtype != like.dtype:
+            raise ValueError("all caches must share block shape and dtype")
         if not cache.is_contiguous():
             raise ValueError("caches must be contiguous (each block one run of memory)")
 
 
+@functools.lru_cache(maxsize=16)
+def _addresses(data_ptrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The caches' base addresses as a device tensor. A pool's caches never move, so this is built
+    once (at the engine's warm-up) and every later step reuses it without a host-to-device copy.
+    Keyed by the addresses themselves, so a cache freed and another allocated in its place still
+    gets the right ones."""
+    pinned = device.type == "cuda"
+    return torch.tensor(data_ptrs, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=pinned)
+
+
 def _launch_copy(
-    src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_dst_pairs: torch.Tensor
+    src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_dst_pairs: torch.Tensor, device: torch.device
 ) -> None:
-    """The i-th source cache's blocks go to the i-th destination cache."""
+    """The i-th source cache's blocks go to the i-th destination cache, by one launch on `device`."""
     require_triton()
     like = src_caches[0]
     _check_pool(src_caches + dst_caches, like)
@@ -61,10 +73,10 @@ def _launch_copy(
         raise ValueError(f"pairs must be [N, 2], got {tuple(src_dst_pairs.shape)}")
     if num_pairs == 0:
         return
-    device = like.device
+    # Already there when the caller sent them with the step's inputs; otherwise one copy here.
     pairs = src_dst_pairs.to(device=device, dtype=torch.int64).contiguous()
-    src_addresses = torch.tensor([cache.data_ptr() for cache in src_caches], dtype=torch.int64, device=device)
-    dst_addresses = torch.tensor([cache.data_ptr() for cache in dst_caches], dtype=torch.int64, device=device)
+    src_addresses = _addresses(tuple(cache.data_ptr() for cache in src_caches), device)
+    dst_addresses = _addresses(tuple(cache.data_ptr() for cache in dst_caches), device)
     block_numel = like[0].numel()
     chunk = 256 if interpreter_enabled() else 2048
     grid = (num_pairs, len(src_caches), triton.cdiv(block_numel, chunk))
@@ -90,45 +102,35 @@ def copy_blocks(
     caches = list(k_caches) + list(v_caches)
     if not caches:
         return
-    _launch_copy(caches, caches, src_dst_pairs)
+    if any(cache.device != caches[0].device for cache in caches):
+        raise ValueError("copy-on-write caches must share a device")
+    _launch_copy(caches, caches, src_dst_pairs, caches[0].device)
 
 
 def swap_blocks(
-    src_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    dst_cache: torch.Tensor,  # same block shape and dtype, possibly another device and pool size
-    src_to_dst: torch.Tensor,  # [N, 2] int64: (block in src_cache, block in dst_cache)
+    src_caches: list[torch.Tensor],  # per cache [num_blocks, block_size, num_kv_heads, head_dim]
+    dst_caches: list[torch.Tensor],  # same block shape and dtype, possibly another device and pool size
+    src_to_dst: torch.Tensor,  # [N, 2] int64: (block in each src cache, block in its dst cache)
 ) -> None:
-    """Moves blocks between pools, e.g. GPU <-> host for swapping a preempted sequence.
+    """Triton launcher: moves blocks between pools, e.g. GPU <-> host for swapping a preempted
+    sequence, every cache in one launch.
 
-    Same device: one Triton launch. Different devices: plain torch, since a kernel cannot address
-    the other side's memory: gather the blocks on the source device (index_select), move them in
-    one transfer, through pinned host memory when a GPU is involved (so it runs at full PCIe
-    speed), and scatter them on the destination (index_copy_).
+    Between a GPU and the host the kernel runs on the GPU and reads or writes the host pool
+    directly: pinned memory is mapped into the GPU's address space (unified addressing) at the
+    same address, so the move is one launch ordered on the stream like any other, with no staging
+    copy and no wait on the host. The host side must therefore be pinned.
     """
-    if src_to_dst.shape[0] == 0:
+    if len(src_caches) != len(dst_caches):
+        raise ValueError(f"{len(src_caches)} source caches but {len(dst_caches)} destination caches")
+    if not src_caches or src_to_dst.shape[0] == 0:
         return
-    if src_cache.device == dst_cache.device:
-        _launch_copy([src_cache], [dst_cache], src_to_dst)
-        return
-    if src_cache.shape[1:] != dst_cache.shape[1:] or src_cache.dtype != dst_cache.dtype:
-        raise ValueError("src and dst caches must share block shape and dtype")
-    src_index = src_to_dst[:, 0].to(device=src_cache.device, dtype=torch.int64)
-    dst_index = src_to_dst[:, 1].to(device=dst_cache.device, dtype=torch.int64)
-    pinned = "cuda" in (src_cache.device.type, dst_cache.device.type)
-    if src_cache.device.type == "cpu":
-        staged = torch.empty((src_index.shape[0], *src_cache.shape[1:]), dtype=src_cache.dtype, pin_memory=pinned)
-        torch.index_select(src_cache, 0, src_index, out=staged)
-        # Safe to return before the copy lands: the caching host allocator keeps `staged` alive
-        # until the stream has consumed it.
-        blocks = staged.to(dst_cache.device, non_blocking=pinned)
-    else:
-        gathered = src_cache.index_select(0, src_index)
-        if dst_cache.device.type == "cpu":
-            blocks = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=pinned)
-            blocks.copy_(gathered)
-        else:
-            blocks = gathered.to(dst_cache.device)
-    dst_cache.index_copy_(0, dst_index, blocks)
+    devices = {cache.device for cache in src_caches + dst_caches}
+    gpus = {device for device in devices if device.type != "cpu"}
+    if len(gpus) > 1:
+        raise ValueError(f"blocks move between one GPU and the host, not across {sorted(map(str, gpus))}")
+    if gpus and any(cache.device.type == "cpu" and not cache.is_pinned() for cache in src_caches + dst_caches):
+        raise ValueError("a host pool swapped with a GPU must be pinned (the kernel addresses it directly)")
+    _launch_copy(list(src_caches), list(dst_caches), src_to_dst, gpus.pop() if gpus else devices.pop())
 
 
 def copy_blocks_reference(
@@ -140,8 +142,13 @@ def copy_blocks_reference(
         cache.index_copy_(0, pairs[:, 1], cache.index_select(0, pairs[:, 0]))
 
 
-def swap_blocks_reference(src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: torch.Tensor) -> None:
-    """Plain-torch `swap_blocks`."""
-    blocks = src_cache.index_select(0, src_to_dst[:, 0].to(device=src_cache.device, dtype=torch.int64))
-    dst_index = src_to_dst[:, 1].to(device=dst_cache.device, dtype=torch.int64)
-    dst_cache.index_copy_(0, dst_index, blocks.to(dst_cache.device))
+def swap_blocks_reference(
+    src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_to_dst: torch.Tensor
+) -> None:
+    """Plain-torch `swap_blocks` (through a staging copy when the pools sit on different devices)."""
+    if not src_caches or src_to_dst.shape[0] == 0:
+        return
+    src_index = src_to_dst[:, 0].to(device=src_caches[0].device, dtype=torch.int64)
+    dst_index = src_to_dst[:, 1].to(device=dst_caches[0].device, dtype=torch.int64)
+    for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
+        dst_cache.index_copy_(0, dst_index, src_cache.index_select(0, src_index).to(dst_cache.device))

@@ -38,7 +38,7 @@ static void decode_kernel(
     const int32_t* seq_lens, const int64_t* token_index,
     scalar_t* out, int64_t out_row_stride,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale) {
+    float scale, int64_t window, float softcap) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;  // between consecutive tokens in the cache
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -57,11 +57,14 @@ static void decode_kernel(
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t num_blocks = (length + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
+      // A sliding window attends the last `window` positions; blocks before them may be freed (-1).
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      for (int64_t b = first / block_size; b < num_blocks; ++b) {
         const int64_t block = block_tables[seq * max_blocks + b];
-        const int64_t tokens = std::min(block_size, length - b * block_size);
-        const scalar_t* k_block = k_cache + block * block_size * slot_stride + kv_head * head_dim;
-        const scalar_t* v_block = v_cache + block * block_size * slot_stride + kv_head * head_dim;
+        const int64_t skip = std::max<int64_t>(0, first - b * block_size);  // leading positions outside the window
+        const int64_t tokens = std::min(block_size, length - b * block_size) - skip;
+        const scalar_t* k_block = k_cache + (block * block_size + skip) * slot_stride + kv_head * head_dim;
+        const scalar_t* v_block = v_cache + (block * block_size + skip) * slot_stride + kv_head * head_dim;
         // Widen the block's K and V once; every query head of the group then reads floats.
         for (int64_t t = 0; t < tokens; ++t) {
           widen(k_block + t * slot_stride, &keys[t * head_dim], head_dim);
@@ -91,6 +94,9 @@ static void decode_kernel(
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < head_dim; ++d) s += qj[d] * k[d];
             sj[t] = s;
+          }
+          if (softcap > 0.f) {
+            for (t = 0; t < tokens; ++t) sj[t] = softcap * std::tanh(sj[t] / softcap);
           }
           float block_max = kNoScore;
           for (t = 0; t < tokens; ++t) block_max = std::max(block_max, sj[t]);
@@ -133,7 +139,8 @@ static void decode_kernel(
 
 void paged_decode_attention(
     torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-    torch::Tensor seq_lens, torch::Tensor token_index, torch::Tensor out, double scale) {
+    torch::Tensor seq_lens, torch::Tensor token_index, torch::Tensor out, double scale, int64_t window,
+    double softcap) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && out.stride(1) == out.size(2), "head_dim must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32, "int32 tables");
@@ -146,7 +153,7 @@ void paged_decode_attention(
         seq_lens.data_ptr<int32_t>(), token_index.data_ptr<int64_t>(),
         out.data_ptr<scalar_t>(), out.stride(0),
         seq_lens.size(0), query.size(1), k_cache.size(2), k_cache.size(3), k_cache.size(1),
-        static_cast<float>(scale));
+        static_cast<float>(scale), window, static_cast<float>(softcap));
   });
 }
 

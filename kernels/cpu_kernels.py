@@ -67,8 +67,12 @@ def paged_decode_attention(
     token_index: torch.Tensor,  # [B] int64: the query row of each decode sequence
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim] contiguous: rows in token_index are written
+    window: int | None = None,  # sliding window: the row attends its last `window` positions only
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
 ) -> None:
-    _kernels().paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale)
+    _kernels().paged_decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale, window or 0, softcap or 0.0
+    )
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,7 +7,8 @@ kernel merges the partitions. One program serves all query heads of one kv head 
 K/V tile is loaded once for the whole group and the group's scores come from one tl.dot.
 
 Layout: see kernels/kv_cache_write.py. `seq_lens[b]` counts the context including the new token,
-which is already in the cache.
+which is already in the cache. With a sliding window only the last `window` positions are split and
+read (earlier blocks may be freed); soft-capping (Gemma 2) caps the scores before the softmax.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kernels.triton_utils import (
     multiprocessor_count,
     next_power_of_2,
     require_triton,
+    soft_cap,
     tl,
     triton,
 )
@@ -34,7 +36,9 @@ _MIN_TILES_PER_SPLIT = 4
 _MAX_SPLITS = 32
 
 
-@triton.jit
+# Arguments that change from step to step (outside CUDA graphs): specialising on them would only
+# multiply compiles.
+@triton.jit(do_not_specialize=["num_splits", "block_tables_stride"])
 def _decode_partition_kernel(
     q_ptr,
     k_cache_ptr,
@@ -46,6 +50,8 @@ def _decode_partition_kernel(
     partial_max_ptr,
     partial_sum_ptr,
     scale_log2,
+    window,
+    softcap_log2,
     num_splits,
     num_heads,
     group_size,
@@ -64,19 +70,24 @@ def _decode_partition_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (sequence, kv head, split): attention of the kv head's query group over one
-    partition of the context. Scores are kept in log2 units (scale folded with log2(e)) so the
-    softmax uses exp2. With SINGLE_SPLIT the result goes straight to `out`; otherwise the
-    unnormalized output, max and sum go to the partial buffers for the merge kernel."""
+    partition of the attended context (the last `window` positions when window > 0). Scores are
+    kept in log2 units (scale folded with log2(e)) so the softmax uses exp2. With SINGLE_SPLIT the
+    result goes straight to `out`; otherwise the unnormalized output, max and sum go to the partial
+    buffers for the merge kernel."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    kv_start = 0
+    if window > 0:
+        kv_start = tl.maximum(seq_len - window, 0)
+    num_tiles = tl.cdiv(seq_len - kv_start, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    split_start = split * tiles_per_split * BLOCK_N
+    split_start = kv_start + split * tiles_per_split * BLOCK_N
     split_end = tl.minimum(split_start + tiles_per_split * BLOCK_N, seq_len)
 
     group = tl.arange(0, GROUP_PAD)
@@ -104,6 +115,8 @@ def _decode_partition_kernel(
         )
 
         scores = matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2
+        if SOFTCAP:  # capping commutes with the change of units when the cap changes units too
+            scores = soft_cap(scores, softcap_log2)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         # Every tile holds at least one valid key, so new_max is finite and alpha well defined.
         new_max = tl.maximum(running_max, tl.max(scores, 1))
@@ -130,7 +143,7 @@ def _decode_partition_kernel(
         tl.store(partial_out_ptr + rows[:, None] * head_dim + dims[None, :], acc, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     out_ptr,
     partial_out_ptr,
@@ -182,6 +195,21 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n
     return max(1, min(wanted, useful, _MAX_SPLITS))
 
 
+def table_widths_per_variant(
+    num_kv_heads: int, head_dim: int, element_size: int, block_size: int, max_blocks: int, device: torch.device
+) -> list[int]:
+    """One block-table width per kernel variant (one partition, or the merge's padded partition
+    count) that a decode step of one sequence launches with, tables 1..max_blocks wide. Larger
+    batches split less, into counts one sequence also reaches, so a warm-up running these widths
+    compiles every decode variant."""
+    block_n = key_tile_length(head_dim, element_size)
+    first_of_variant: dict[int, int] = {}
+    for width in range(1, max_blocks + 1):
+        splits = _default_num_splits(1, num_kv_heads, width * block_size, block_n, device)
+        first_of_variant.setdefault(next_power_of_2(splits), width)
+    return list(first_of_variant.values())
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -191,6 +219,8 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim]
     num_splits: int | None = None,
+    window: int | None = None,  # sliding window: each row attends its last `window` positions
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
 ) -> torch.Tensor:
     """Triton launcher. `num_splits` partitions per sequence (default: see `_default_num_splits`);
     with one partition the merge kernel is skipped. A sequence with seq_len 0 gets zeros."""
@@ -240,6 +270,8 @@ def decode_attention(
         partial_max,
         partial_sum,
         scale * math.log2(math.e),
+        window or 0,
+        (softcap or 1.0) * math.log2(math.e),
         num_splits,
         num_heads,
         group_size,
@@ -259,6 +291,7 @@ def decode_attention(
         HEAD_DIM_PAD=head_dim_pad,
         SINGLE_SPLIT=single_split,
         DOT_IN_FP32=dot_in_fp32(k_cache.dtype),
+        SOFTCAP=softcap is not None,
         num_warps=4,
     )
     if not single_split:
@@ -286,8 +319,12 @@ def decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch `decode_attention`: prefill attention with one query row per sequence."""
     batch = q.shape[0]
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    return prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    return prefill_attention_reference(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window=window, softcap=softcap
+    )

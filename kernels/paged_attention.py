@@ -9,6 +9,10 @@ and attends to cache positions 0..that position.
 The batch layout is the same for every layer, so it is turned into a `PagedAttentionPlan` (index
 tensors, masks, groupings) once per step and each layer only gathers and attends.
 
+With a sliding window (a query at position p attends keys in (p - window, p]) each row reads only
+the blocks its window touches, from the first such block on: blocks before it may already have been
+freed (their table entries are then -1) and are never read.
+
 Decode rows whose block tables start with the same blocks (chunks of one prefix-cached document, the
 n samples of a prompt, beams) can be attended as a `SharedPrefixGroup`: the shared blocks' K/V are
 read once for every row of the group, each row's own remaining blocks separately, and the two softmax
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +42,8 @@ class DecodeGroup:
     """Single-token rows of similar context length, attended in one padded call."""
 
     token_index: torch.Tensor  # [b] query rows
-    blocks: torch.Tensor  # [b * max_blocks] block ids, each row's table padded to max_blocks
-    mask: torch.Tensor  # [b, 1, 1, max_blocks * block_size] bool: True where the context is real
+    blocks: torch.Tensor  # [b * width] block ids: each row's blocks from its first attended one, padded to width
+    mask: torch.Tensor  # [b, 1, 1, width * block_size] bool: True where the row attends
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,11 @@ class PrefillRow:
     """A sequence with several new tokens (a prefill chunk)."""
 
     rows: slice  # its query rows
-    blocks: torch.Tensor  # the block ids covering its context
+    blocks: torch.Tensor  # the block ids covering its attended context, from the first attended block
+    first_key: int  # position of the first key those blocks hold (a multiple of the block size)
     seq_len: int
-    mask: torch.Tensor | None  # [q_len, seq_len] when a cached prefix precedes the chunk; None: causal
+    # [q_len, seq_len - first_key] when a cached prefix precedes the chunk or a window cuts it; None: causal
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class DecodeBatch:
     token_index: torch.Tensor  # [b] int64 query rows
     block_tables: torch.Tensor  # [b, max_blocks] int32
     seq_lens: torch.Tensor  # [b] int32
+    window: int | None  # sliding window in tokens
 
 
 @dataclass(frozen=True)
@@ -85,9 +93,13 @@ def plan_paged_attention(
     block_size: int,
     use_decode_kernel: bool = False,
     shared_prefix_min_saved_tokens: int = 0,
+    window: int | None = None,
 ) -> PagedAttentionPlan:
     """Decode rows sharing cached blocks are attended as `SharedPrefixGroup`s where that saves reading
-    at least `shared_prefix_min_saved_tokens` tokens' K/V ((rows - 1) x shared tokens); 0: never."""
+    at least `shared_prefix_min_saved_tokens` tokens' K/V ((rows - 1) x shared tokens); 0: never (and
+    never with a `window`, whose rows share no attended prefix)."""
+    if window is not None:
+        shared_prefix_min_saved_tokens = 0
     device = block_tables.device
     starts, lens = list(query_start_loc), list(seq_lens)
     query_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
@@ -105,18 +117,34 @@ def plan_paged_attention(
             token_index=torch.tensor([starts[i] for i in decode_rows], device=device),
             block_tables=block_tables[rows].contiguous(),
             seq_lens=torch.tensor([lens[i] for i in decode_rows], dtype=torch.int32, device=device),
+            window=window,
         )
         decode_rows = []
 
+    def first_block(first_query: int) -> int:
+        """The block holding the first key that a query at `first_query` or later attends."""
+        return 0 if window is None else max(0, first_query - window + 1) // block_size
+
     decode_groups = []
     for rows in _length_buckets(decode_rows, lens):
-        max_blocks = -(-lens[rows[0]] // block_size)  # rows come longest first
-        context_lens = torch.tensor([lens[i] for i in rows], device=device)
-        mask = torch.arange(max_blocks * block_size, device=device)[None, :] < context_lens[:, None]
+        firsts = [first_block(lens[i] - 1) for i in rows]
+        width = max(-(-lens[i] // block_size) - first for i, first in zip(rows, firsts))
+        columns = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)[None, :]
+        # Columns past a row's table are padding (masked); clamping keeps them inside the tensor.
+        columns = columns.clamp_(max=block_tables.shape[1] - 1)
+        row_index = torch.tensor(rows, device=device)
+        key_positions = (
+            torch.tensor(firsts, device=device)[:, None] * block_size
+            + torch.arange(width * block_size, device=device)[None, :]
+        )
+        context_lens = torch.tensor([lens[i] for i in rows], device=device)[:, None]
+        mask = key_positions < context_lens
+        if window is not None:
+            mask &= key_positions > context_lens - 1 - window
         decode_groups.append(
             DecodeGroup(
                 token_index=torch.tensor([starts[i] for i in rows], device=device),
-                blocks=block_tables[torch.tensor(rows, device=device), :max_blocks].flatten(),
+                blocks=block_tables[row_index[:, None], columns].flatten(),
                 mask=mask[:, None, None, :],
             )
         )
@@ -126,12 +154,22 @@ def plan_paged_attention(
         if q_len <= 1:
             continue
         seq_len = lens[i]
+        first = first_block(seq_len - q_len) * block_size
         mask = None
-        if q_len != seq_len:
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+        if q_len != seq_len or (window is not None and window < q_len):
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+            key_pos = torch.arange(first, seq_len, device=device)[None, :]
+            mask = key_pos <= query_pos
+            if window is not None:
+                mask &= key_pos > query_pos - window
         prefill_rows.append(
-            PrefillRow(slice(starts[i], starts[i + 1]), block_tables[i, : -(-seq_len // block_size)], seq_len, mask)
+            PrefillRow(
+                slice(starts[i], starts[i + 1]),
+                block_tables[i, first // block_size : -(-seq_len // block_size)],
+                first,
+                seq_len,
+                mask,
+            )
         )
     return PagedAttentionPlan(tuple(decode_groups), decode_batch, tuple(prefill_rows), tuple(shared_groups))
 
@@ -207,9 +245,12 @@ def run_paged_attention(
     scale: float,
     new_key: torch.Tensor | None = None,  # [T, num_kv_heads, head_dim]: this step's keys, already in the cache
     new_value: torch.Tensor | None = None,
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) (Gemma 2)
 ) -> torch.Tensor:
     """Prefill rows without a cached prefix attend to `new_key`/`new_value` when given (the same
-    values the cache holds, without reading them back)."""
+    values the cache holds, without reading them back). Soft-capped scores take torch's math path,
+    as transformers' eager attention does (the fused kernels have no soft-capping)."""
+    attend = F.scaled_dot_product_attention if softcap is None else partial(_softcapped_attention, softcap=softcap)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -217,7 +258,8 @@ def run_paged_attention(
     if plan.decode_batch is not None:
         batch = plan.decode_batch
         paged_decode_attention(
-            query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.token_index, scale, out
+            query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.token_index, scale, out,
+            window=batch.window, softcap=softcap,
         )
     for decode in plan.decode_groups:
         batch = decode.token_index.shape[0]
@@ -227,7 +269,7 @@ def run_paged_attention(
         values = v_cache.index_select(0, decode.blocks).view(padded).transpose(1, 2)
         # The query heads sharing a kv head lie along the query axis: GQA without repeating K/V.
         q = query[decode.token_index].view(batch, num_kv_heads, group, head_dim)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=decode.mask, scale=scale)
+        attn = attend(q, keys, values, attn_mask=decode.mask, scale=scale)
         out[decode.token_index] = attn.reshape(batch, num_heads, head_dim)
     for shared in plan.shared_prefix_groups:
         out[shared.token_index] = _attend_shared_prefix(query, k_cache, v_cache, shared, scale)
@@ -235,17 +277,42 @@ def run_paged_attention(
         if prefill.mask is None and new_key is not None and new_value is not None:
             keys, values = new_key[prefill.rows], new_value[prefill.rows]  # no prefix: what was just written
         else:
-            keys = k_cache.index_select(0, prefill.blocks).flatten(0, 1)[: prefill.seq_len]
-            values = v_cache.index_select(0, prefill.blocks).flatten(0, 1)[: prefill.seq_len]
+            length = prefill.seq_len - prefill.first_key
+            keys = k_cache.index_select(0, prefill.blocks).flatten(0, 1)[:length]
+            values = v_cache.index_select(0, prefill.blocks).flatten(0, 1)[:length]
         # 4-D inputs: torch's CPU flash kernel only takes batched inputs; 3-D falls back to the
         # much slower math path.
         q = query[prefill.rows].transpose(0, 1)[None]  # [1, H, q_len, D]
         keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-        attn = F.scaled_dot_product_attention(
+        attn = attend(
             q, keys, values, attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scale, enable_gqa=group > 1
         )
         out[prefill.rows] = attn[0].transpose(0, 1)
     return out
+
+
+def _softcapped_attention(
+    q: torch.Tensor,  # [.., heads, q_len, D]
+    keys: torch.Tensor,  # [.., kv_heads, kv_len, D]; query head h reads kv head h // (heads / kv_heads)
+    values: torch.Tensor,
+    attn_mask: torch.Tensor | None,  # bool, True where attended; broadcasts to [.., heads, q_len, kv_len]
+    scale: float,
+    softcap: float,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """scaled_dot_product_attention's contract with soft-capped scores, computed as transformers'
+    eager attention does: scale, cap, mask, float32 softmax rounded back to q's dtype."""
+    if keys.shape[-3] != q.shape[-3]:
+        repeat = q.shape[-3] // keys.shape[-3]
+        keys, values = keys.repeat_interleave(repeat, dim=-3), values.repeat_interleave(repeat, dim=-3)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, -torch.inf)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
 
 def _attend_shared_prefix(
@@ -295,7 +362,9 @@ def paged_attention_reference(
     seq_lens: Sequence[int],  # [B]
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Mixed prefill/decode attention in one call (plans and runs)."""
-    plan = plan_paged_attention(query_start_loc, seq_lens, block_tables, k_cache.shape[1])
-    return run_paged_attention(query, k_cache, v_cache, plan, scale)
+    plan = plan_paged_attention(query_start_loc, seq_lens, block_tables, k_cache.shape[1], window=window)
+    return run_paged_attention(query, k_cache, v_cache, plan, scale, softcap=softcap)

@@ -12,6 +12,10 @@ padding: sequence i's tiles start at `query_start_loc[i] // BLOCK_Q + i`, so the
 the few tiles past a sequence's end exit at once). A tile's rows are its BLOCK_Q tokens times the
 query heads of one kv head (GQA), so each K/V tile is loaded once for the whole group.
 
+With a sliding window a query at position p attends keys in (p - window, p] only, and a tile reads
+keys from its first query's window on (earlier blocks may be freed); soft-capping (Gemma 2) caps the
+scores before the softmax.
+
 Layout: see kernels/kv_cache_write.py.
 """
 
@@ -30,12 +34,15 @@ from kernels.triton_utils import (
     matmul,
     next_power_of_2,
     require_triton,
+    soft_cap,
     tl,
     triton,
 )
 
 
-@triton.jit
+# Arguments that change from step to step: specialising on them (== 1, divisible by 16) would only
+# multiply compiles, each one a second or more inside a running engine.
+@triton.jit(do_not_specialize=["num_seqs", "block_q", "block_tables_stride"])
 def _prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -45,6 +52,8 @@ def _prefill_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     scale_log2,
+    window,
+    softcap_log2,
     num_seqs,
     group_size,
     head_dim,
@@ -62,6 +71,7 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (query tile, kv head). Row r of the tile is token r // group_size of the tile and
     query head kv_head * group_size + r % group_size; block_q = BLOCK_M // group_size."""
@@ -105,9 +115,13 @@ def _prefill_attention_kernel(
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    # Keys up to the tile's last query position; the causal mask trims the rest per row.
+    # Keys from the tile's first query's window to its last query position; the causal mask and
+    # the window trim the rest per row.
     kv_end = context_len + tl.minimum(first_query + block_q, q_len)
-    for tile_start in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if window > 0:
+        kv_start = tl.maximum(context_len + first_query - window + 1, 0)
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         key_positions = tile_start + tl.arange(0, BLOCK_N)
         key_valid = key_positions < kv_end
         k, v = load_kv_tile(
@@ -116,13 +130,18 @@ def _prefill_attention_kernel(
         )
 
         scores = matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2
+        if SOFTCAP:  # in log2 units, with the cap in log2 units too
+            scores = soft_cap(scores, softcap_log2)
         visible = key_valid[None, :] & (key_positions[None, :] <= query_positions[:, None])
+        if window > 0:
+            visible = visible & (key_positions[None, :] > query_positions[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        # Key 0 is visible to every row (positions are >= 0) and sits in the first tile, so the
-        # running max is finite from the first iteration on and alpha never sees -inf - -inf.
+        # Under a window a row may see nothing in the tile (nor before it): its max stays -inf,
+        # which must not meet -inf - -inf. Without one, key 0 is visible to every row.
         new_max = tl.maximum(running_max, tl.max(scores, 1))
-        probs = tl.exp2(scores - new_max[:, None])
-        alpha = tl.exp2(running_max - new_max)
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.exp2(scores - safe_max[:, None])
+        alpha = tl.exp2(running_max - safe_max)
         running_sum = running_sum * alpha + tl.sum(probs, 1)
         acc = acc * alpha[:, None] + matmul(probs, v, DOT_IN_FP32)
         running_max = new_max
@@ -143,6 +162,16 @@ def _tile_rows(group_size: int, max_query_len: int) -> int:
     return max(wanted, next_power_of_2(group_size))
 
 
+def chunk_lengths_per_tile(num_heads: int, num_kv_heads: int, max_query_len: int) -> list[int]:
+    """One chunk length (the shortest) per query-tile height that steps whose longest chunk has
+    2..max_query_len tokens launch with: a warm-up running these compiles every prefill variant."""
+    group_size = num_heads // num_kv_heads
+    first_of_tile: dict[int, int] = {}
+    for query_len in range(2, max_query_len + 1):
+        first_of_tile.setdefault(_tile_rows(group_size, query_len), query_len)
+    return list(first_of_tile.values())
+
+
 def prefill_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -153,6 +182,8 @@ def prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
+    window: int | None = None,  # sliding window: a query at position p attends keys in (p - window, p]
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
 ) -> torch.Tensor:
     """Triton launcher. `max_query_len` (the longest chunk, known on the host) sizes the query
     tiles, so a batch of short chunks does not pay for tall tiles. Rows of q past
@@ -191,6 +222,8 @@ def prefill_attention(
         seq_lens,
         block_tables,
         scale * math.log2(math.e),
+        window or 0,
+        (softcap or 1.0) * math.log2(math.e),
         num_seqs,
         group_size,
         head_dim,
@@ -208,6 +241,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         HEAD_DIM_PAD=next_power_of_2(head_dim),
         DOT_IN_FP32=dot_in_fp32(k_cache.dtype),
+        SOFTCAP=softcap is not None,
         num_warps=4,
     )
     return out
@@ -221,11 +255,14 @@ def prefill_attention_reference(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch `prefill_attention`: the engine's torch paged attention, run in float32 so the
     oracle is more precise than the bf16 kernel it checks. Rows of q past query_start_loc[-1] come
     back uninitialized."""
     out = paged_attention_reference(
-        q.float(), k_cache.float(), v_cache.float(), query_start_loc.tolist(), seq_lens.tolist(), block_tables, scale
+        q.float(), k_cache.float(), v_cache.float(), query_start_loc.tolist(), seq_lens.tolist(), block_tables,
+        scale, window=window, softcap=softcap,
     )
     return out.to(q.dtype)

@@ -21,12 +21,13 @@ except ImportError:
 
     class _TritonStandIn:
         """Enough of `triton` / `triton.language` for kernel definitions to be evaluated:
-        `@triton.jit` leaves the function as it is (it is never launched, since launchers call
-        `require_triton` first) and attributes such as `tl.constexpr` in annotations are None."""
+        `@triton.jit` (with or without options) leaves the function as it is (it is never
+        launched, since launchers call `require_triton` first) and attributes such as
+        `tl.constexpr` in annotations are None."""
 
         @staticmethod
-        def jit(fn: Any) -> Any:
-            return fn
+        def jit(fn: Any = None, **options: Any) -> Any:
+            return fn if fn is not None else (lambda function: function)
 
         def __getattr__(self, name: str) -> None:
             return None
@@ -86,6 +87,13 @@ def matmul(a, b, IN_FP32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def soft_cap(scores, softcap):
+    """softcap * tanh(scores / softcap), with tanh from exp (which every Triton backend has): it
+    saturates to +-1 where exp overflows or vanishes."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
 
 
 @triton.jit

@@ -40,8 +40,16 @@ def tiny_dummy_model(tmp_path: Path) -> Path:
     return tmp_path
 
 
+# Sliding window of the windowed tiny checkpoints, in tokens: test prompts run past it.
+TINY_WINDOW = 12
+
+
 def save_random_hf_model(kind: str, folder: Path) -> Path:
-    """A small random Llama, Qwen2 or Qwen3 checkpoint saved by transformers itself (the oracle's own format)."""
+    """A small random checkpoint saved by transformers itself (the oracle's own format): Llama, Qwen2,
+    Qwen3, or a windowed family (window TINY_WINDOW): "mistral", "qwen2-window" (the second layer
+    windowed), "phi3", "gemma2" (alternating, soft-capped), "gemma3" (one global layer in two, q/k norms,
+    local RoPE base), or a mixture of experts: "mixtral", "qwen2_moe" (shared expert, a dense layer),
+    "qwen3_moe" (every second layer sparse)."""
     import transformers
 
     common = dict(
@@ -58,6 +66,47 @@ def save_random_hf_model(kind: str, folder: Path) -> Path:
     elif kind == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
         model_cls = transformers.Qwen3ForCausalLM
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=TINY_WINDOW, rope_theta=10000.0)
+        model_cls = transformers.MistralForCausalLM
+    elif kind == "qwen2-window":
+        config = transformers.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1, rope_theta=10000.0
+        )
+        model_cls = transformers.Qwen2ForCausalLM
+    elif kind == "phi3":
+        config = transformers.Phi3Config(**common, sliding_window=TINY_WINDOW, pad_token_id=0, rope_theta=10000.0)
+        model_cls = transformers.Phi3ForCausalLM
+    elif kind == "gemma2":
+        config = transformers.Gemma2Config(
+            **{**common, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+            attn_logit_softcapping=2.0, final_logit_softcapping=6.0, pad_token_id=0,
+        )
+        model_cls = transformers.Gemma2ForCausalLM
+    elif kind == "gemma3":
+        config = transformers.Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+            sliding_window_pattern=2, rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            }, pad_token_id=0,
+        )
+        model_cls = transformers.Gemma3ForCausalLM
+    elif kind == "mixtral":  # every layer sparse, top-2 renormalised
+        config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0)
+        model_cls = transformers.MixtralForCausalLM
+    elif kind == "qwen2_moe":  # a shared expert, top-k not renormalised, layer 1 dense
+        config = transformers.Qwen2MoeConfig(
+            **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+            shared_expert_intermediate_size=96, mlp_only_layers=[1], rope_theta=1000000.0,
+        )
+        model_cls = transformers.Qwen2MoeForCausalLM
+    elif kind == "qwen3_moe":  # q/k norms, renormalised top-k, every second layer sparse
+        config = transformers.Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+            norm_topk_prob=True, decoder_sparse_step=2, rope_theta=1000000.0,
+        )
+        model_cls = transformers.Qwen3MoeForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
@@ -66,5 +115,7 @@ def save_random_hf_model(kind: str, folder: Path) -> Path:
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.normal_(0.0, 0.15)
+            elif kind.startswith("gemma"):  # Gemma's norms scale by (1 + weight): make the offset matter
+                param.normal_(0.0, 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     return folder

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from conveyor.local_stack import (
 )
 from jobs import db
 from jobs.keys import create_key_in_database
-from jobs.settings import S3Settings, Settings
+from jobs.settings import S3Settings, Settings, replace
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "CONVEYOR_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -111,6 +111,14 @@ def stack(service_settings: Settings, tmp_path_factory: pytest.TempPathFactory) 
     """The shared stack: API + one worker on SmolLM2, for tests that leave it running."""
     with running_stack(service_settings, tmp_path_factory.mktemp("stack")) as shared:
         yield shared
+
+
+@pytest.fixture(scope="module")
+def api_only_stack(service_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """An API process of a module's own, without a worker: for tests of what the API itself answers."""
+    settings = replace(service_settings, api_port=free_port())
+    with running_stack(settings, tmp_path_factory.mktemp("api"), with_worker=False) as stack:
+        yield stack
 
 
 @pytest.fixture

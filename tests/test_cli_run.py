@@ -119,7 +119,7 @@ def test_run_answers_embedding_lines_with_the_embedding_model(
 ) -> None:
     embeddings = "/v1/embeddings"
     lines = [
-        request_line("one", embeddings, {"input": "The cat sat on the mat.", "model": "text-embedding-3-small"}),
+        request_line("one", embeddings, {"input": "The cat sat on the mat.", "model": "all-minilm-l6-v2"}),
         request_line("two", embeddings, {"input": ["first passage", "second passage"], "encoding_format": "base64"}),
         request_line("token-ids", embeddings, {"input": [101, 2023, 102]}),
         request_line("text", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4}),  # files may mix urls
@@ -169,3 +169,37 @@ def test_an_unknown_embedding_model_is_a_clear_error(tmp_path: Path, capsys: pyt
     stderr = capsys.readouterr().err
     assert "cannot load embedding model" in stderr and "Traceback" not in stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_run_answers_responses_lines_with_objects_the_sdk_parses(tmp_path: Path) -> None:
+    from openai.types.chat import ChatCompletion
+    from openai.types.responses import Response
+
+    responses, chat = "/v1/responses", "/v1/chat/completions"
+    lines = [
+        request_line("resp-text", responses, {"model": "gpt-4o-mini", "input": "Say hello.", "instructions": "Be brief.",
+                                              "max_output_tokens": 4, "temperature": 0, "store": False}),
+        request_line("resp-items", responses, {"model": "smollm2-135m-instruct", "max_output_tokens": 30,
+                                               "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                        "text": "Name a color."}]}]}),
+        request_line("resp-stored", responses, {"input": "Hi", "previous_response_id": "resp_abc"}),
+        request_line("chat-alias", chat, {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Hi"}],
+                                          "max_tokens": 3, "stream": False, "store": True, "service_tier": "auto"}),
+        request_line("chat-unknown-model", chat, {"model": "gpt-4.1", "messages": [{"role": "user", "content": "Hi"}]}),
+    ]
+    source, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+
+    exit_code = main(["run", "-i", str(source), "-o", str(results), "--model-alias", "gpt-4o-mini=smollm2-135m-instruct"])
+
+    assert exit_code == 0
+    by_id = {record["custom_id"]: record for record in map(json.loads, results.read_text().splitlines())}
+    first = Response.model_validate(by_id["resp-text"]["response"]["body"])
+    assert (first.status, first.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # type: ignore[union-attr]
+    assert first.usage is not None and first.usage.output_tokens == 4 and first.output_text
+    second = Response.model_validate(by_id["resp-items"]["response"]["body"])
+    assert second.model == "smollm2-135m-instruct" and second.output[0].type == "message"
+    assert by_id["resp-stored"]["error"]["code"] == "invalid_body"
+    assert ChatCompletion.model_validate(by_id["chat-alias"]["response"]["body"]).choices[0].message.content
+    assert by_id["chat-unknown-model"]["error"]["code"] == "model_not_found"

@@ -1,6 +1,7 @@
 """`conveyor up` end to end: the whole service from one command, with embedded PostgreSQL, Redis and SeaweedFS,
 driven by the official `openai` SDK; then Ctrl-C (SIGINT) stops every process it started, and a second start on
-the same data directory finds the batch, its files and their contents again."""
+the same data directory finds the batch, its files and their contents again. A worker killed while up runs is
+restarted, counted in /metrics, and the batch submitted after completes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -136,15 +138,8 @@ def api_client(banner: str, key: str) -> openai.OpenAI:
     return openai.OpenAI(api_key=key, base_url=base_url.group(1), max_retries=0, timeout=30)
 
 
-def test_conveyor_up_runs_a_batch_stops_cleanly_and_finds_it_again_after_a_restart(
-    start_up: Callable[[], UpProcess],
-) -> None:
-    first = start_up()
-    banner = first.wait_until_up()
-    keys = KEY_PATTERN.findall(banner)
-    assert len(keys) == 1, f"the first start prints one new key:\n{banner}"
-    client = api_client(banner, keys[0])
-
+def run_batch(client: openai.OpenAI) -> tuple[openai.types.Batch, str]:
+    """Submit `batch_input()` and wait for it to complete; returns it and its output file's text."""
     input_file = client.files.create(file=("requests.jsonl", batch_input()), purpose="batch")
     batch = client.batches.create(
         input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -161,6 +156,39 @@ def test_conveyor_up_runs_a_batch_stops_cleanly_and_finds_it_again_after_a_resta
     assert sorted(json.loads(line)["custom_id"] for line in output.splitlines()) == sorted(
         f"up-{i}" for i in range(REQUESTS)
     )
+    return batch, output
+
+
+def test_conveyor_up_restarts_a_killed_worker_and_the_batch_completes(start_up: Callable[[], UpProcess]) -> None:
+    up = start_up()
+    banner = up.wait_until_up()
+    client = api_client(banner, KEY_PATTERN.findall(banner)[0])
+    workers = [p for p in up.started if p.cmdline()[-1:] == ["worker"] and p.ppid() == up.process.pid]
+    assert len(workers) == 1, [p.cmdline() for p in up.started]
+    os.killpg(workers[0].pid, signal.SIGKILL)  # the worker and the processes it forked, as the OOM killer would
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while "conveyor worker restarted (1 restart(s) so far)" not in up.output():
+        assert up.process.poll() is None, f"conveyor up exited:\n{up.output()}"
+        assert time.monotonic() < deadline, f"the worker was not restarted:\n{up.output()}"
+        time.sleep(0.5)
+    assert "conveyor worker stopped unexpectedly; restarting it in 1 s" in up.output()
+    run_batch(client)
+    metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    assert 'conveyor_process_restarts_total{process="conveyor worker"} 1.0' in metrics, metrics
+    assert up.interrupt() == 0, up.output()
+
+
+def test_conveyor_up_runs_a_batch_stops_cleanly_and_finds_it_again_after_a_restart(
+    start_up: Callable[[], UpProcess],
+) -> None:
+    first = start_up()
+    banner = first.wait_until_up()
+    keys = KEY_PATTERN.findall(banner)
+    assert len(keys) == 1, f"the first start prints one new key:\n{banner}"
+    client = api_client(banner, keys[0])
+    batch, output = run_batch(client)
+    input_file = client.files.retrieve(batch.input_file_id)
 
     assert first.interrupt() == 0, first.output()
     assert first.still_running() == [], f"left running after Ctrl-C:\n{first.output()}"

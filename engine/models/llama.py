@@ -1,4 +1,6 @@
-"""Llama-family decoder: Llama 2/3, Mistral, SmolLM2, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
+"""Llama-family decoder: Llama 2/3, Mistral, SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and Phi-3
+(whose checkpoints already fuse qkv_proj and gate_up_proj), each with the sliding windows its config
+gives (`ModelConfig.layer_windows`). Its parts are reused by the other families (models/gemma.py).
 
 Inputs are flat: all tokens of a step, from every sequence, in one [T] row, with their positions.
 Attention goes through the paged KV cache via the attention backend; nothing here is padded.
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,19 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.distributed import current_group
+from engine.parallel_layers import (
+    CheckpointTensor,
+    PACK_FOR_TOKENS,
+    Linear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+    read_whole,
+)
 from kernels import cpu_kernels
 from kernels.activation import silu_and_mul
 from kernels.rmsnorm import fused_add_rms_norm, rms_norm
@@ -55,30 +70,9 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
 
 
-# A batch-size hint for oneDNN's weight layout; packed weights serve any number of tokens.
-_PACK_FOR_TOKENS = 64
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose weight can be prepacked into oneDNN's blocked layout for bfloat16 on CPU:
-    measured 1.5x on decode-size matmuls, where reading the weights is the cost (26 -> 17 ms for
-    the 30 layers of SmolLM2 at 64 tokens). Packing keeps a second, packed copy of the weight."""
-
-    packed_weight: torch.Tensor | None = None
-
-    def pack_for_cpu(self) -> None:
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_FOR_TOKENS)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
+def rope_inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -94,7 +88,41 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+    if kind == "yarn":
+        # Interpolated (divided by factor) below a ramp between the dimensions that turn beta_slow and
+        # beta_fast times over the original context, extrapolated (unchanged) above it, as transformers does.
+        factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    raise ValueError(
+        f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3, yarn (Phi-3's longrope/su "
+        f"switches factors with the sequence length and is not implemented)"
+    )
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What YaRN multiplies cos and sin by (so attention logits grow with the stretch); 1 otherwise."""
+    scaling = scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, weight: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
 
 
 @dataclass(frozen=True)
@@ -125,12 +153,20 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (first half of head_dim rotates with the second half), from
     float32 cos/sin tables over every position."""
 
-    def __init__(self, config: ModelConfig, use_triton: bool) -> None:
+    def __init__(self, config: ModelConfig, use_triton: bool, local: bool = False) -> None:
+        """`local`: the sliding-window layers' own unscaled rotation at `local_rope_theta` (Gemma 3)."""
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inverse_frequencies(config))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        if local:
+            assert config.local_rope_theta is not None
+            inv_freq = rope_inverse_frequencies(config.head_dim, config.local_rope_theta, None)
+            attention_factor = 1.0
+        else:
+            inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+            attention_factor = rope_attention_factor(config.rope_scaling)
+        freqs = torch.outer(positions, inv_freq)
+        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
         self.use_triton = use_triton
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
@@ -142,16 +178,20 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer_index: int) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, config.attention_bias
+        )
+        # This rank's heads: all of them unless the model is sharded (tensor parallelism).
+        self.q_size, self.kv_size, _ = self.qkv_proj.local_part_sizes
+        self.num_heads = self.q_size // self.head_dim
+        self.num_kv_heads = self.kv_size // self.head_dim
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = config.layer_windows[layer_index] if config.layer_windows else None
+        self.softcap = config.attn_logit_softcapping
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, "attention heads")
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -174,7 +214,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads])[0], self.k_norm(qk[:, self.num_heads :])[0]), dim=1)
         q, k = rope.rotate(qk, self.num_heads)
-        out = self.backend(q, k, v, k_cache, v_cache, metadata, self.scale)
+        out = self.backend(q, k, v, k_cache, v_cache, metadata, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -184,11 +224,16 @@ _CPU_MLP_SLICE_TOKENS = 2048
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, use_triton: bool) -> None:
+    """Gated MLP: down(act(gate) * up), with SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma).
+    `intermediate_size` overrides the config's width (a MoE model's shared expert)."""
+
+    def __init__(self, config: ModelConfig, use_triton: bool, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, width)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, "intermediate_size")
         self.use_triton = use_triton
+        self.gelu = config.hidden_activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.shape[0] > _CPU_MLP_SLICE_TOKENS:
@@ -197,19 +242,24 @@ class MLP(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.use_triton:
+        if self.use_triton and not self.gelu:
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(activated * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, kernels: LayerKernels) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, kernels: LayerKernels, layer_index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config, use_triton=kernels == "triton")
+        self.self_attn = Attention(config, backend, layer_index)
+        self.mlp = self.build_mlp(config, kernels, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+
+    def build_mlp(self, config: ModelConfig, kernels: LayerKernels, layer_index: int) -> nn.Module:
+        """The layer's feed-forward part; mixture-of-experts layers build their sparse block here."""
+        return MLP(config, use_triton=kernels == "triton")
 
     def forward(
         self,
@@ -227,21 +277,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, kernels: LayerKernels) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, kernels: LayerKernels, layer_class: type[DecoderLayer]
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, kernels) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer_class(config, backend, kernels, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.rotary = RotaryEmbedding(config, use_triton=kernels == "triton")
+        use_triton = kernels == "triton"
+        self.rotary = RotaryEmbedding(config, use_triton)
+        # Gemma 3's sliding-window layers rotate at their own base.
+        self.local_rotary = RotaryEmbedding(config, use_triton, local=True) if config.local_rope_theta else None
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, kernels: LayerKernels = "torch") -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, kernels)
+        self.model = LlamaModel(config, backend, kernels, self.layer_class)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
+        self.group = current_group()
 
     def forward(
         self,
@@ -250,19 +308,29 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         rope = self.model.rotary(positions, hidden.dtype)
+        local_rope = rope if self.model.local_rotary is None else self.model.local_rotary(positions, hidden.dtype)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, rope, k_cache, v_cache, metadata)
+            layer_rope = rope if layer.self_attn.window is None else local_rope
+            hidden, residual = layer(hidden, residual, layer_rope, k_cache, v_cache, metadata)
         return self.model.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, vocab] float32 on the first tensor-parallel rank (the only one when not sharded); None on the others."""
         if not self.config.tie_word_embeddings:
-            return self.lm_head(hidden).float()
-        if self._packed_embedding is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_embedding, None, "none", [], "").float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.lm_head(hidden)
+        elif self._packed_embedding is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, self._packed_embedding, None, "none", [], "")
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        logits = gather_logits(logits, self.config.vocab_size, self.group)
+        cap = self.config.final_logit_softcapping
+        return logits if logits is None or cap is None else torch.tanh(logits / cap) * cap
 
     _packed_embedding: torch.Tensor | None = None  # the tied output projection, packed
 
@@ -273,10 +341,10 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu()
         if self.config.tie_word_embeddings:
             self._packed_embedding = torch.ops.mkldnn._reorder_linear_weight(
-                self.model.embed_tokens.weight.detach(), _PACK_FOR_TOKENS
+                self.model.embed_tokens.weight.detach(), PACK_FOR_TOKENS
             )
 
-    # Hugging Face checkpoint name suffix -> (our fused parameter suffix, which shard)
+    # Hugging Face checkpoint name suffix -> (our fused parameter suffix, which part of it)
     _FUSED = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
@@ -285,40 +353,41 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def _shard_bounds(self, fused: str, shard: int) -> tuple[int, int]:
-        c = self.config
-        if fused == "gate_up_proj":
-            return shard * c.intermediate_size, (shard + 1) * c.intermediate_size
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        starts = (0, q, q + kv, q + 2 * kv)
-        return starts[shard], starts[shard + 1]
+    def checkpoint_destination(self, name: str) -> tuple[str, int | None, tuple[int | slice, ...]]:
+        """Where the Hugging Face checkpoint tensor `name` goes: our parameter's name, which part of a fused
+        projection it is (q, k, v; gate, up: the sharded layer places its rank's rows of it; None: not a part),
+        and the region of the parameter it fills (`()`: all of it)."""
+        module_path, _, leaf = name.rpartition(".")  # leaf: "weight" or "bias"
+        parent, _, proj = module_path.rpartition(".")
+        if proj not in self._FUSED:
+            return name, None, ()
+        fused, part = self._FUSED[proj]
+        return f"{parent}.{fused}.{leaf}", part, ()
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into this model; every parameter must be covered."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Copy Hugging Face-named tensors into this model; every parameter must be covered. A sharded layer
+        reads only its rank's slice of each tensor."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        filled: dict[str, int] = {}  # fused parameter -> rows written
+        filled: dict[str, int] = {}  # parameter -> elements written, so fused and stacked ones count their parts
         for name, tensor in named_tensors:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            module_path, _, leaf = name.rpartition(".")  # leaf: "weight" or "bias"
-            parent, _, proj = module_path.rpartition(".")
-            if proj in self._FUSED:
-                fused, shard = self._FUSED[proj]
-                target = f"{parent}.{fused}.{leaf}"
-                start, stop = self._shard_bounds(fused, shard)
-                params[target][start:stop].copy_(tensor)
-                filled[target] = filled.get(target, 0) + (stop - start)
-                if filled[target] == params[target].shape[0]:
-                    loaded.add(target)
-                continue
-            if name not in params:
+            target, part, region = self.checkpoint_destination(name)
+            if target not in params:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-            params[name].copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
+            module_path, _, leaf = target.rpartition(".")
+            module = self.get_submodule(module_path)
+            if hasattr(module, "load"):  # a sharded layer: reads its rank's slice only
+                written = module.load(leaf, tensor, part)
+            else:  # the same on every rank: norms, the MoE router and experts
+                whole = read_whole(tensor)
+                destination = params[target][region]
+                if destination.shape != whole.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(whole.shape)} != model {tuple(destination.shape)}")
+                destination.copy_(whole)
+                written = whole.numel()
+            filled[target] = filled.get(target, 0) + written
+        missing = sorted(name for name, param in params.items() if filled.get(name, 0) < param.numel())
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,15 +1,15 @@
-"""Contexts for chunks from the engine: one greedy chat request per chunk, every request submitted before any wait.
+"""Contexts for passages from the engine: one greedy chat request per passage, every request submitted before any wait.
 
     generate = engine_context_generator(loop, loop.engine.tokenizer, max_tokens=96, prompt_template=DEFAULT_CONTEXT_PROMPT)
-    generate([(document_text, [chunk_text, ...]), ...])   # → per document, one context per chunk
+    generate([(document_text, [passage_text, ...]), ...])   # → per document, one context per passage
 
 Each prompt is the model's chat template around `prompt_template` with the whole document first, so all the
 prompts of one document start with the same tokens and the engine's prefix cache computes the document once; the
 requests of every document go to the `EngineLoop` together, so its running batch stays full.
 
-A document too long for the model's context (with the chunk, the template and `max_tokens` to generate) is cut
-to the tokens that fit, at the same place for all its chunks (their prompts keep their shared prefix), and marked
-with " […]"; the chunk itself is always in the prompt whole.
+A document too long for the model's context (with the passage, the template and `max_tokens` to generate) is cut
+to the tokens that fit, at the same place for all its passages (their prompts keep their shared prefix), and marked
+with " […]"; the passage itself is always in the prompt whole.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def engine_context_generator(
         # Every prompt is built before the first submit: a document that cannot fit fails the call with nothing
         # left running in the engine.
         prompts = [
-            context_prompts(tokenizer, prompt_template, document, chunks, max_prompt_tokens)
-            for document, chunks in documents
+            context_prompts(tokenizer, prompt_template, document, passages, max_prompt_tokens)
+            for document, passages in documents
         ]
         handles = [[loop.submit(prompt, params, priority=priority) for prompt in document] for document in prompts]
         try:
@@ -52,29 +52,29 @@ def engine_context_generator(
 
 
 def context_prompts(
-    tokenizer: Tokenizer, prompt_template: str, document: str, chunks: Sequence[str], max_prompt_tokens: int
+    tokenizer: Tokenizer, prompt_template: str, document: str, passages: Sequence[str], max_prompt_tokens: int
 ) -> list[list[int]]:
-    """The token ids of each chunk's chat prompt, each at most `max_prompt_tokens` long."""
+    """The token ids of each passage's chat prompt, each at most `max_prompt_tokens` long."""
 
-    def encode(document_text: str, chunk: str) -> list[int]:
-        content = prompt_template.format(document=document_text, chunk=chunk)
+    def encode(document_text: str, passage: str) -> list[int]:
+        content = prompt_template.format(document=document_text, chunk=passage)
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}])
         return tokenizer.encode(text, add_special_tokens=False)
 
-    if not chunks:
+    if not passages:
         return []
-    # The prompts' length without the document says how much of the document fits beside the longest chunk.
-    overhead = max(len(encode("", chunk)) for chunk in chunks)
+    # The prompts' length without the document says how much of the document fits beside the longest passage.
+    overhead = max(len(encode("", passage)) for passage in passages)
     document_budget = max_prompt_tokens - overhead - _TRUNCATION_SLACK
     document_tokens = tokenizer.encode(document, add_special_tokens=False)
     if len(document_tokens) + overhead > max_prompt_tokens:
         if document_budget <= 0:
             raise ValueError(
-                f"a chunk's context prompt needs {overhead} tokens without the document, more than the "
+                f"a passage's context prompt needs {overhead} tokens without the document, more than the "
                 f"{max_prompt_tokens} the model's context leaves beside the generated tokens"
             )
         document = tokenizer.decode(document_tokens[:document_budget]) + _TRUNCATION_MARK
-    prompts = [encode(document, chunk) for chunk in chunks]
+    prompts = [encode(document, passage) for passage in passages]
     longest = max(map(len, prompts))
     if longest > max_prompt_tokens:  # only if re-encoding grew by more than the slack
         raise ValueError(f"a context prompt of {longest} tokens exceeds the {max_prompt_tokens} available")

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from jobs.json_lines import UnreadableLine, load_json_line
+
 _LINE_FIELDS = ("id", "text", "uri", "metadata")
 # Lenient about case and underscores: older S3 regions and self-hosted S3 servers accept such bucket names.
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]")
@@ -73,7 +75,9 @@ class SourceDocument:
 def parse_document_line(line: str | bytes) -> SourceDocument:
     """One JSONL line → a SourceDocument, or a DocumentError saying what is wrong with the line."""
     try:
-        record = json.loads(line)
+        record = load_json_line(line)
+    except UnreadableLine as unreadable:
+        raise DocumentError(str(unreadable)) from None
     except UnicodeDecodeError as error:
         raise DocumentError(f"the line is not UTF-8 (invalid byte at offset {error.start})") from None
     except json.JSONDecodeError as error:

@@ -1,4 +1,4 @@
-"""RAG preprocessing jobs as a client sees them: create, read, list, cancel. The work is `jobs.rag.job_pipeline`'s.
+"""RAG preprocessing jobs as a client sees them: create, read, list, cancel. The work is `jobs.rag.kind`'s.
 
 A RAG job is a batch row with endpoint `RAG_ENDPOINT` and its options in `rag_options`, so projects, statuses,
 cancel, expiry, webhooks (`batch.*` events) and request counts (here counting documents) work as for batches.
@@ -27,10 +27,9 @@ from jobs.batches import (
     check_priority,
 )
 from jobs.errors import ServiceError
-from jobs.files import record_file
+from jobs.files import derived_file_id, record_file
 from jobs.models import TERMINAL_BATCH_STATUSES, Batch, BatchStatus, FilePurpose, new_id
 from jobs.object_keys import file_key, inbox_key
-from jobs.pipeline import derived_file_id
 from jobs.rag.processing import RagOptions
 from jobs.settings import S3Settings
 from jobs.storage import ObjectStore

@@ -1,7 +1,7 @@
 """RAG preprocessing of documents: split, optionally contextualize, embed, with a per-document cache.
 
     processor = DocumentProcessor(options, splitter, embedder.embed, generate_contexts, cache, generation_model)
-    records = processor.process_many([(doc_id, text, metadata), ...])   # ChunkRecords, document by document
+    records = processor.process_many([(doc_id, text, metadata), ...])   # PassageRecords, document by document
     write_parquet_bytes(records)                                         # one Parquet part
 
 Contextual retrieval (Anthropic's recipe): when `options.contextualize` is on, the generation model writes, for
@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL
-from jobs.rag.splitter import Chunk, SplitterConfig, TextSplitter
+from jobs.rag.splitter import Passage, SplitterConfig, TextSplitter
 from jobs.storage import ObjectNotFound, ObjectStore
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def embedding_input(chunk_text: str, context: str | None) -> str:
 
 
 @dataclass(frozen=True, eq=False)
-class ChunkRecord:
+class PassageRecord:
     doc_id: str
     chunk_index: int
     text: str  # the raw chunk, document_text[char_start:char_end]
@@ -167,7 +167,7 @@ class ChunkRecord:
 
     def __eq__(self, other: object) -> bool:
         # The generated __eq__ would compare arrays elementwise and fail on the ambiguous result.
-        if not isinstance(other, ChunkRecord):
+        if not isinstance(other, PassageRecord):
             return NotImplemented
         return all(
             np.array_equal(np.asarray(getattr(self, f.name)), np.asarray(getattr(other, f.name)))
@@ -193,7 +193,7 @@ PARQUET_SCHEMA = pa.schema(
 _EMBEDDING_TYPE = PARQUET_SCHEMA.field("embedding").type
 
 
-def records_to_table(records: Sequence[ChunkRecord]) -> pa.Table:
+def records_to_table(records: Sequence[PassageRecord]) -> pa.Table:
     vectors = [np.asarray(record.embedding, dtype=np.float32).reshape(-1) for record in records]
     offsets = np.zeros(len(vectors) + 1, dtype=np.int32)
     np.cumsum([len(vector) for vector in vectors], out=offsets[1:])
@@ -213,7 +213,7 @@ def records_to_table(records: Sequence[ChunkRecord]) -> pa.Table:
     return pa.Table.from_arrays([*arrays, embedding], schema=PARQUET_SCHEMA)
 
 
-def table_to_records(table: pa.Table) -> list[ChunkRecord]:
+def table_to_records(table: pa.Table) -> list[PassageRecord]:
     """Records from a table of PARQUET_SCHEMA's columns; embeddings come back as read-only float32 arrays."""
     _check_schema(table.schema)
     columns = {name: table.column(name).to_pylist() for name in PARQUET_SCHEMA.names if name != "embedding"}
@@ -222,7 +222,7 @@ def table_to_records(table: pa.Table) -> list[ChunkRecord]:
     split_points = np.cumsum(lists.value_lengths().to_numpy())[:-1]
     embeddings = np.split(values, split_points) if len(lists) else []
     return [
-        ChunkRecord(
+        PassageRecord(
             doc_id=columns["doc_id"][row],
             chunk_index=columns["chunk_index"][row],
             text=columns["text"][row],
@@ -237,13 +237,13 @@ def table_to_records(table: pa.Table) -> list[ChunkRecord]:
     ]
 
 
-def write_parquet_bytes(records: Sequence[ChunkRecord]) -> bytes:
+def write_parquet_bytes(records: Sequence[PassageRecord]) -> bytes:
     sink = pa.BufferOutputStream()
     pq.write_table(records_to_table(records), sink, compression=_COMPRESSION)
     return bytes(sink.getvalue())
 
 
-def read_parquet_bytes(data: bytes) -> list[ChunkRecord]:
+def read_parquet_bytes(data: bytes) -> list[PassageRecord]:
     return table_to_records(_read_table(data))
 
 
@@ -270,15 +270,15 @@ def _check_schema(schema: pa.Schema) -> None:
         raise ValueError(f"not a RAG chunk table: expected columns {PARQUET_SCHEMA}, got {schema}")
 
 
-class ChunkCache(Protocol):
+class PassageCache(Protocol):
     """A document's records by cache key (`document_cache_key`)."""
 
-    def get(self, key: str) -> list[ChunkRecord] | None: ...
+    def get(self, key: str) -> list[PassageRecord] | None: ...
 
-    def put(self, key: str, records: Sequence[ChunkRecord]) -> None: ...
+    def put(self, key: str, records: Sequence[PassageRecord]) -> None: ...
 
 
-class ObjectStoreChunkCache:
+class ObjectStorePassageCache:
     """One Parquet object per document under `prefix` (a project's own, e.g. `object_keys.rag_cache_prefix`:
     a hit would tell one tenant that another processed the same text)."""
 
@@ -286,7 +286,7 @@ class ObjectStoreChunkCache:
         self.store = store
         self.prefix = prefix
 
-    def get(self, key: str) -> list[ChunkRecord] | None:
+    def get(self, key: str) -> list[PassageRecord] | None:
         try:
             data = self.store.read_bytes(self._object_key(key))
         except ObjectNotFound:
@@ -296,7 +296,7 @@ class ObjectStoreChunkCache:
         except ValueError:  # pyarrow's ArrowInvalid included: a damaged entry is recomputed and overwritten
             return None
 
-    def put(self, key: str, records: Sequence[ChunkRecord]) -> None:
+    def put(self, key: str, records: Sequence[PassageRecord]) -> None:
         self.store.put_bytes(self._object_key(key), write_parquet_bytes(records))
 
     def _object_key(self, key: str) -> str:
@@ -321,12 +321,12 @@ class _Document:
     cache_key: str
     doc_id: str
     metadata: Metadata | None
-    chunks: list[Chunk]
+    passages: list[Passage]
     text: str
 
 
 class DocumentProcessor:
-    """Turns documents into ChunkRecords with one job's options; `stats` adds up over every call.
+    """Turns documents into PassageRecords with one job's options; `stats` adds up over every call.
 
     `splitter` must count the tokens of `options.embedding_model` (`TextSplitter.for_embedding_model`); its budget
     is replaced by the options'. `generate_contexts` is needed when contextualizing (`contextualize.
@@ -338,7 +338,7 @@ class DocumentProcessor:
         splitter: TextSplitter,
         embed: EmbedFunction,
         generate_contexts: ContextGenerator | None,
-        cache: ChunkCache | None,
+        cache: PassageCache | None,
         generation_model: str,
     ) -> None:
         if options.contextualize and generate_contexts is None:
@@ -353,10 +353,10 @@ class DocumentProcessor:
         self.fingerprint = options.fingerprint(generation_model)
         self.stats = ProcessingStats()
 
-    def process(self, doc_id: str, text: str, metadata: Metadata | None) -> list[ChunkRecord]:
+    def process(self, doc_id: str, text: str, metadata: Metadata | None) -> list[PassageRecord]:
         return self.process_many([(doc_id, text, metadata)])
 
-    def process_many(self, documents: Sequence[DocumentInput]) -> list[ChunkRecord]:
+    def process_many(self, documents: Sequence[DocumentInput]) -> list[PassageRecord]:
         """Records of every document, in input order; a document without text has none. Only the documents missing
         from the cache are split and computed, together: all their contexts requested in one call, all their chunks
         embedded in one call (so the embedder packs batches across documents); a text repeated in `documents` once."""
@@ -371,10 +371,10 @@ class DocumentProcessor:
             for key, (doc_id, text, metadata) in distinct.items()
             if key not in cached
         ]
-        computed = self._compute([document for document in missing if document.chunks])
+        computed = self._compute([document for document in missing if document.passages])
         self._store(computed)
 
-        records: list[ChunkRecord] = []
+        records: list[PassageRecord] = []
         for key, (doc_id, _, metadata) in zip(keys, documents):
             from_cache = key in cached
             self.stats.documents_from_cache += from_cache
@@ -384,7 +384,7 @@ class DocumentProcessor:
         self.stats.chunks += len(records)
         return records
 
-    def _lookup(self, keys: list[str]) -> dict[str, list[ChunkRecord]]:
+    def _lookup(self, keys: list[str]) -> dict[str, list[PassageRecord]]:
         cache = self.cache
         if cache is None or not keys:
             return {}
@@ -392,56 +392,56 @@ class DocumentProcessor:
             found = pool.map(cache.get, keys)
             return {key: records for key, records in zip(keys, found) if records is not None}
 
-    def _store(self, computed: dict[str, list[ChunkRecord]]) -> None:
+    def _store(self, computed: dict[str, list[PassageRecord]]) -> None:
         cache = self.cache
         if cache is None or not computed:
             return
         with ThreadPoolExecutor(min(_CACHE_IO_THREADS, len(computed))) as pool:
             list(pool.map(lambda item: cache.put(*item), computed.items()))  # list(): re-raise a failed put
 
-    def _compute(self, documents: list[_Document]) -> dict[str, list[ChunkRecord]]:
+    def _compute(self, documents: list[_Document]) -> dict[str, list[PassageRecord]]:
         if not documents:
             return {}
         contexts = self._contexts(documents)
         inputs = [
-            embedding_input(chunk.text, context)
+            embedding_input(passage.text, context)
             for document, document_contexts in zip(documents, contexts)
-            for chunk, context in zip(document.chunks, document_contexts)
+            for passage, context in zip(document.passages, document_contexts)
         ]
         started = time.perf_counter()
         vectors = self.embed(inputs).vectors
         self.stats.embedding_seconds += time.perf_counter() - started
         self.stats.chunks_embedded += len(inputs)
 
-        computed: dict[str, list[ChunkRecord]] = {}
+        computed: dict[str, list[PassageRecord]] = {}
         row = 0
         for document, document_contexts in zip(documents, contexts):
             computed[document.cache_key] = [
-                ChunkRecord(
+                PassageRecord(
                     doc_id=document.doc_id,
-                    chunk_index=chunk.index,
-                    text=chunk.text,
+                    chunk_index=passage.index,
+                    text=passage.text,
                     context=context,
-                    token_count=chunk.token_count,
-                    char_start=chunk.char_start,
-                    char_end=chunk.char_end,
+                    token_count=passage.token_count,
+                    char_start=passage.char_start,
+                    char_end=passage.char_end,
                     metadata=document.metadata,
                     embedding=vectors[row + offset],
                 )
-                for offset, (chunk, context) in enumerate(zip(document.chunks, document_contexts))
+                for offset, (passage, context) in enumerate(zip(document.passages, document_contexts))
             ]
-            row += len(document.chunks)
+            row += len(document.passages)
         return computed
 
     def _contexts(self, documents: list[_Document]) -> list[list[str | None]]:
         """Per document, a context per chunk; None everywhere when not contextualizing."""
         if not self.options.contextualize:
-            return [[None] * len(document.chunks) for document in documents]
+            return [[None] * len(document.passages) for document in documents]
         assert self.generate_contexts is not None  # checked in __init__
         started = time.perf_counter()
-        generated = self.generate_contexts([(d.text, [chunk.text for chunk in d.chunks]) for d in documents])
+        generated = self.generate_contexts([(d.text, [passage.text for passage in d.passages]) for d in documents])
         self.stats.context_seconds += time.perf_counter() - started
-        if [len(contexts) for contexts in generated] != [len(d.chunks) for d in documents]:
+        if [len(contexts) for contexts in generated] != [len(d.passages) for d in documents]:
             raise ValueError("the context generator must return one context per chunk of every document")
         self.stats.contexts_generated += sum(len(contexts) for contexts in generated)
         return [list(contexts) for contexts in generated]

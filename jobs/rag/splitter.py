@@ -1,20 +1,20 @@
-"""A document's text → chunks of at most `chunk_tokens` tokens of the embedding model, cut where the text breaks.
+"""A document's text → passages of at most `chunk_tokens` tokens of the embedding model, cut where the text breaks.
 
     splitter = TextSplitter.for_embedding_model()          # all-MiniLM-L6-v2's tokenizer
-    for chunk in splitter.split(text):
-        text[chunk.char_start:chunk.char_end] == chunk.text  # always: chunks are slices of the source
+    for passage in splitter.split(text):
+        text[passage.char_start:passage.char_end] == passage.text  # always: passages are slices of the source
 
-A chunk ends where the most natural boundary within its token budget is: before a Markdown heading (so the
-next chunk starts at it), else at a paragraph (a blank line), else at a sentence (".", "!" or "?" and
+A passage ends where the most natural boundary within its token budget is: before a Markdown heading (so the
+next passage starts at it), else at a paragraph (a blank line), else at a sentence (".", "!" or "?" and
 whitespace, not after an abbreviation such as "e.g." or before a lowercase word; "。！？" need no
 whitespace), else between words; the furthest boundary of the best kind wins. A heading stays with the text
 under it (the break after a heading line counts as a word boundary only), and "#" lines in code blocks are
-not headings. Only a single word longer than the budget is cut inside, at a token boundary. Chunks are
+not headings. Only a single word longer than the budget is cut inside, at a token boundary. Passages are
 trimmed of whitespace at both edges by moving their offsets; the text itself is never rewritten.
 
-Overlap: unless a chunk ended before a heading, the next one starts at a boundary among its last
+Overlap: unless a passage ended before a heading, the next one starts at a boundary among its last
 `overlap_tokens` tokens: at a heading there if there is one, else at the earliest sentence, else the earliest
-word; with none there (inside one long word), it starts where the chunk ended.
+word; with none there (inside one long word), it starts where the passage ended.
 
 The document is tokenized once (offsets map tokens to characters) and boundaries are found with one regex
 pass each, so splitting is linear in the document's length.
@@ -55,8 +55,8 @@ _LONGEST_ABBREVIATION = max(map(len, _ABBREVIATIONS))
 
 @dataclass(frozen=True)
 class SplitterConfig:
-    chunk_tokens: int = 256  # tokens of a chunk's text, special tokens not counted
-    overlap_tokens: int = 32  # at most this many of a chunk's last tokens begin the next chunk
+    chunk_tokens: int = 256  # tokens of a passage's text, special tokens not counted
+    overlap_tokens: int = 32  # at most this many of a passage's last tokens begin the next passage
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -69,8 +69,8 @@ class SplitterConfig:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    index: int  # position among the document's chunks
+class Passage:
+    index: int  # position among the document's passages
     text: str  # == source[char_start:char_end]
     char_start: int
     char_end: int
@@ -78,7 +78,7 @@ class Chunk:
 
 
 class Boundary(IntEnum):
-    """Kinds of places a chunk may end, best first (the document's end aside)."""
+    """Kinds of places a passage may end, best first (the document's end aside)."""
 
     HEADING = 0
     PARAGRAPH = 1
@@ -103,7 +103,7 @@ class TextSplitter:
     def for_embedding_model(
         cls, model: str = DEFAULT_EMBEDDING_MODEL, config: SplitterConfig | None = None
     ) -> TextSplitter:
-        """A splitter counting the tokens of the model the chunks will be embedded with (its tokenizer only)."""
+        """A splitter counting the tokens of the model the passages will be embedded with (its tokenizer only)."""
         return cls(Tokenizer.from_file(str(resolve_embedding_model(model) / "tokenizer.json")), config)
 
     def with_config(self, config: SplitterConfig) -> TextSplitter:
@@ -116,12 +116,12 @@ class TextSplitter:
         """Tokens of `text` on its own, special tokens not counted."""
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def split(self, text: str) -> list[Chunk]:
-        """The chunks of `text` in order; none for a text without tokens (empty, whitespace)."""
+    def split(self, text: str) -> list[Passage]:
+        """The passages of `text` in order; none for a text without tokens (empty, whitespace)."""
         tokens = _tokenize(self._tokenizer, text)
         if not tokens.starts:
             return []
-        return _DocumentSplit(text, tokens, _Boundaries.find(text), self).chunks()
+        return _DocumentSplit(text, tokens, _Boundaries.find(text), self).passages()
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ def _tokenize(tokenizer: Tokenizer, text: str) -> _Tokens:
 
 @dataclass(frozen=True)
 class _Boundaries:
-    """Where chunks may begin, by kind; each list also holds the better kinds' positions, ascending."""
+    """Where passages may begin, by kind; each list also holds the better kinds' positions, ascending."""
 
     at_least: dict[Boundary, list[int]]  # HEADING, PARAGRAPH, SENTENCE; words are found from the tokens
 
@@ -259,10 +259,10 @@ class _DocumentSplit:
         self.budget = splitter.config.chunk_tokens
         self.overlap = splitter.config.overlap_tokens
 
-    def chunks(self) -> list[Chunk]:
-        chunks: list[Chunk] = []
+    def passages(self) -> list[Passage]:
+        passages: list[Passage] = []
         start = len(self.text) - len(self.text.lstrip())
-        new_text_from = start  # the previous chunk's end: every chunk must reach past it
+        new_text_from = start  # the previous passage's end: every passage must reach past it
         while True:
             end, kind = self._end(start, new_text_from)
             if self.tokens.cuts_word(start) or self.tokens.cuts_word(end):
@@ -270,22 +270,22 @@ class _DocumentSplit:
             else:
                 token_count = self.tokens.count(start, end)
             chunk_end = start + len(self.text[start:end].rstrip())
-            chunk = Chunk(
-                index=len(chunks),
+            passage = Passage(
+                index=len(passages),
                 text=self.text[start:chunk_end],
                 char_start=start,
                 char_end=chunk_end,
                 token_count=token_count,
             )
-            chunks.append(chunk)
+            passages.append(passage)
             if kind is Boundary.DOCUMENT_END:
-                return chunks
-            overlap_start = None if kind is Boundary.HEADING else self._overlap_start(chunk)
+                return passages
+            overlap_start = None if kind is Boundary.HEADING else self._overlap_start(passage)
             start = end if overlap_start is None else overlap_start
             new_text_from = end
 
     def _end(self, start: int, new_text_from: int) -> tuple[int, Boundary]:
-        """Where the chunk beginning at `start` ends: the document's end if the rest fits, else the last boundary
+        """Where the passage beginning at `start` ends: the document's end if the rest fits, else the last boundary
         of the best kind after both its first token and `new_text_from`, up to the first token past the budget."""
         first_token = self.tokens.index_at(start)
         if len(self.tokens.starts) - first_token <= self.budget:
@@ -302,7 +302,7 @@ class _DocumentSplit:
         return self._word_cut(first_token, after), Boundary.TOKEN
 
     # Word starts are token starts after whitespace, looked up among a window's tokens: a list of every word
-    # start would cost more to build than all the chunks' lookups.
+    # start would cost more to build than all the passages' lookups.
 
     def _last_word_start(self, after: int, up_to: int) -> int | None:
         """The last word start in (after, up_to]."""
@@ -334,10 +334,10 @@ class _DocumentSplit:
         return self.tokens.starts[last]
 
     def _fit_cut_word(self, start: int, end: int, kind: Boundary) -> tuple[int, Boundary, int]:
-        """A chunk with an edge inside a word is counted afresh: on its own, "##ational" of "international" is
+        """A passage with an edge inside a word is counted afresh: on its own, "##ational" of "international" is
         tokenized as a word start, maybe into more tokens. Drops tokens from its end until it fits the budget,
         and characters once a single token is left (a budget smaller than one piece's fresh tokenization).
-        Returns the end, its kind and the chunk's tokens."""
+        Returns the end, its kind and the passage's tokens."""
         token_count = self.splitter.count_tokens(self.text[start:end])
         while token_count > self.budget and end - start > 1:
             last_token_start = self.tokens.starts[self.tokens.index_at(end) - 1]
@@ -345,16 +345,16 @@ class _DocumentSplit:
             token_count = self.splitter.count_tokens(self.text[start:end])
         return end, kind, token_count
 
-    def _overlap_start(self, chunk: Chunk) -> int | None:
-        """Where the next chunk starts within `chunk`'s last overlap tokens, None for nowhere."""
-        first_token = self.tokens.index_at(chunk.char_start)
-        end_token = self.tokens.index_at(chunk.char_end)
-        overlap_from_token = max(end_token - self.overlap, first_token + 1)  # never the chunk's own start
+    def _overlap_start(self, passage: Passage) -> int | None:
+        """Where the next passage starts within `passage`'s last overlap tokens, None for nowhere."""
+        first_token = self.tokens.index_at(passage.char_start)
+        end_token = self.tokens.index_at(passage.char_end)
+        overlap_from_token = max(end_token - self.overlap, first_token + 1)  # never the passage's own start
         if overlap_from_token >= end_token:
             return None
         region_start = self.tokens.starts[overlap_from_token]
-        heading = self.boundaries.last(Boundary.HEADING, region_start - 1, chunk.char_end - 1)
-        if heading is not None:  # start the next chunk at the section it will mostly be about
+        heading = self.boundaries.last(Boundary.HEADING, region_start - 1, passage.char_end - 1)
+        if heading is not None:  # start the next passage at the section it will mostly be about
             return heading
-        sentence = self.boundaries.first(Boundary.SENTENCE, region_start, chunk.char_end)
-        return sentence if sentence is not None else self._first_word_start(region_start, chunk.char_end)
+        sentence = self.boundaries.first(Boundary.SENTENCE, region_start, passage.char_end)
+        return sentence if sentence is not None else self._first_word_start(region_start, passage.char_end)

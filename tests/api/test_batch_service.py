@@ -97,7 +97,7 @@ def chat_file(prefix: str, count: int) -> tuple[bytes, set[str], dict[str, str]]
         ),
         (chat_line(f"{prefix}-too-long", "hi", max_tokens=10**7), f"{prefix}-too-long", "context_length_exceeded"),
         (
-            chat_line(f"{prefix}-unknown-param", "hi", response_format={"type": "json_object"}),
+            chat_line(f"{prefix}-unknown-param", "hi", functions=[{"name": "f"}]),
             f"{prefix}-unknown-param",
             "invalid_body",
         ),
@@ -307,7 +307,7 @@ def test_clear_errors_for_bad_requests(stack: Stack) -> None:
 
 
 def test_uploads_over_the_limit_get_413_and_leave_nothing(service_settings: Settings, tmp_path: Path) -> None:
-    from dataclasses import replace
+    from jobs.settings import replace
 
     from conveyor.local_stack import free_port
 

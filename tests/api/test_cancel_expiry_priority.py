@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from redis import Redis
 from sqlalchemy import create_engine, text
 
 from conveyor.local_stack import ManagedProcess, free_port, scratch_redis_prefix, start_api, start_beat
-from jobs.settings import Settings
+from jobs.settings import Settings, replace
 from tests.api.test_batch_service import COMPLETIONS, client_for, completion_line, jsonl, read_jsonl, wait_for
 from tests.stack_fixtures import REDIS_URL, Stack, running_stack
 

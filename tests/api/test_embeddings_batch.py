@@ -21,7 +21,7 @@ EMBEDDINGS = "/v1/embeddings"
 
 
 def embedding_line(custom_id: str, **body: Any) -> dict[str, Any]:
-    body = {"model": "text-embedding-3-small", **body}
+    body = {"model": "all-minilm-l6-v2", **body}
     return {"custom_id": custom_id, "method": "POST", "url": EMBEDDINGS, "body": body}
 
 

@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from prometheus_client.samples import Sample
 
 from conveyor.local_stack import free_port, scratch_redis_prefix
 from conveyor.seaweedfs import SeaweedFS
-from jobs.settings import Settings
+from jobs.settings import Settings, replace
 from tests.api.test_batch_service import chat_line, jsonl, wait_for
 from tests.stack_fixtures import REDIS_URL, Stack, running_stack
 

@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -23,7 +23,7 @@ from openai.types import Batch
 
 from conveyor.local_stack import free_port
 from jobs import db
-from jobs.settings import Settings
+from jobs.settings import Settings, replace
 from tests.api.test_batch_service import COMPLETIONS, client_for, completion_file, read_jsonl
 from tests.stack_fixtures import Stack, running_stack
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from conveyor.local_stack import ManagedProcess, free_port, scratch_redis_prefix
 from jobs.keys import create_key_in_database
 from jobs.models import Batch, Schedule, WebhookEndpoint
 from jobs.object_keys import inbox_key
-from jobs.settings import Settings
+from jobs.settings import Settings, replace
 from jobs.storage import ObjectStore
 from tests.stack_fixtures import REDIS_URL, Stack, running_stack
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 from openai.types.webhooks import WebhookEndpointWithSecret
 
 from conveyor.local_stack import ManagedProcess, free_port, scratch_redis_prefix, start_beat
-from jobs.settings import Settings
+from jobs.settings import Settings, replace
 from tests.api.test_batch_service import COMPLETIONS, client_for, completion_file, wait_for
 from tests.stack_fixtures import REDIS_URL, Stack, running_stack
 from tests.webhook_receiver import ReceivedRequest, WebhookReceiver, running_receiver

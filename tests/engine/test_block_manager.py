@@ -108,3 +108,39 @@ def test_a_swap_round_trip_restores_the_kv_bytes_exactly():
     for (k, v), (k_before, v_before) in zip(device_pool, before):
         assert torch.equal(k[[3, 9, 0]].view(torch.int16), k_before.view(torch.int16))
         assert torch.equal(v[[3, 9, 0]].view(torch.int16), v_before.view(torch.int16))
+
+
+def test_window_releases_blocks_behind_it_through_fork_swap_and_the_prefix_cache():
+    """Window 8, blocks of 4: a query at position p reads keys from p - 7 on, so before computing
+    position 20 the blocks of positions 0-11 are never read again and are released (FREED)."""
+    from engine.block_manager import FREED
+
+    manager = BlockManager(num_blocks=16, block_size=4, num_host_blocks=8, enable_prefix_caching=True,
+                           sliding_window=8)
+    seq = make_seq(0, list(range(20)))
+    admit(manager, seq)  # positions 0-19: five full blocks, all still held (the next query reads from 13)
+    assert manager.num_held_blocks(0) == 5
+    first_blocks = manager.block_table(0)[:3]
+    manager.allocate(0, 20, 21)  # before computing position 20: keys 13.. needed, blocks 0-2 released
+    assert manager.block_table(0)[:3] == [FREED] * 3 and manager.num_held_blocks(0) == 3
+    assert all(manager.prefix_cache.is_evictable(block) for block in first_blocks)  # named: kept, evictable
+    manager.check_invariants()
+
+    child = make_seq(1, list(range(21)))
+    seq.num_computed_tokens = 20
+    manager.fork(seq, child)  # shares the held blocks only
+    assert manager.block_table(1)[:3] == [FREED] * 3
+    manager.check_invariants()
+
+    pairs = manager.swap_out(1)  # three held blocks move; the FREED entries stay FREED
+    assert len(pairs) == 3 and manager.num_host_blocks_of(1) == 3
+    assert manager.num_blocks_to_swap_in(1, 24) == 3
+    back = manager.swap_in(1)
+    assert len(back) == 3 and manager.block_table(1)[:3] == [FREED] * 3
+    manager.check_invariants()
+
+    later = make_seq(2, list(range(20)) + [7])  # the released-but-cached prefix is still found
+    assert admit(manager, later) == 20
+    manager.free(0), manager.free(1), manager.free(2)
+    manager.check_invariants()
+    assert manager.num_free_blocks == 16 and manager.num_free_host_blocks == 8

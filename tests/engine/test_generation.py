@@ -392,3 +392,15 @@ def test_bad_model_name() -> None:
     with pytest.raises(ValueError, match="cannot load model 'no-such-model'"):
         LLM("no-such-model")
 
+
+
+def test_a_request_reports_the_prompt_tokens_its_prefix_cache_supplied(llm: LLM) -> None:
+    # A beginning no other test's prompt shares (chat prompts share the template's system turn).
+    prompt = llm.tokenizer.encode("Zebra quartz: the history of the Roman Empire, its emperors, its roads, its fall.")
+    block = llm.engine.config.block_size
+    first, = llm.generate([prompt], greedy(max_tokens=2), use_tqdm=False)
+    again, = llm.generate([prompt], greedy(max_tokens=2), use_tqdm=False)
+    assert first.num_cached_tokens == 0
+    # Every full block but the one holding the last prompt token (which must be computed to sample from).
+    assert again.num_cached_tokens == (len(prompt) - 1) // block * block > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids

@@ -1,6 +1,7 @@
 """The engine's correctness oracle: greedy output equals Hugging Face transformers' `generate`,
 token for token in float32, whatever batching, chunked prefill, preemption (swap or recompute),
-prefix caching or parallel sampling happened."""
+prefix caching, parallel sampling or admission order (static batches, prefix-aware order, lookahead)
+happened."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def smollm2_case(smollm2_folder):
     return str(smollm2_folder), prompts, expected
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def random_case(request, tmp_path_factory):
     import transformers
 
@@ -95,11 +96,17 @@ ENGINE_SETUPS = {
     # decode rows sharing cached blocks (a chat template's system prompt, a shared prefix, n samples)
     # read them once as a group, however few tokens that saves
     "shared_prefix_decode": {"shared_prefix_min_saved_tokens": 1},
+    # a batch of 5 runs until its last member finishes before the next is admitted
+    "static_batching": {"scheduling_policy": "static", "max_num_seqs": 5},
+    # prompts started in blocks about to be released, least-work victims; prefix-aware order is the default
+    "lookahead_least_work": {**TINY_POOL, "lookahead_admission_steps": 8, "preemption_victim": "least_work"},
+    "arrival_order": {"max_num_seqs": 3, "prefix_aware_ordering": False},
 }
 
 
-def run_engine(folder: str, prompts, setup: str, ignore_eos: bool, n: int = 1):
-    llm = LLM(model=folder, dtype="float32", device="cpu", **ENGINE_SETUPS[setup])
+def run_engine(folder: str, prompts, setup: str, ignore_eos: bool, n: int = 1, options: dict | None = None):
+    """`options`: the engine options of `setup` (ENGINE_SETUPS') when None."""
+    llm = LLM(model=folder, dtype="float32", device="cpu", **(ENGINE_SETUPS[setup] if options is None else options))
     params = SamplingParams(n=n, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=ignore_eos)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return llm, [[sample.token_ids for sample in o.outputs] for o in outputs]
@@ -111,10 +118,15 @@ def test_smollm2_single_prompt_matches_hf(smollm2_case):
     assert got == [expected[:1]]
 
 
-def check_against_hf(case, setup: str, ignore_eos: bool, n: int = 1) -> None:
+def check_against_hf(case, setup: str, ignore_eos: bool, n: int = 1, options: dict | None = None) -> None:
     folder, prompts, expected = case
-    llm, got = run_engine(folder, prompts, setup, ignore_eos=ignore_eos, n=n)
+    llm, got = run_engine(folder, prompts, setup, ignore_eos=ignore_eos, n=n, options=options)
     assert got == [[tokens] * n for tokens in expected]
+    check_setup_exercised(llm, setup)
+
+
+def check_setup_exercised(llm, setup: str) -> None:
+    """The setup did what it is named for (preempted, hit the prefix cache), and every block came back."""
     stats = llm.engine.stats()
     if setup.startswith("preemption_"):
         assert stats.preemptions[setup.removeprefix("preemption_")] > 0

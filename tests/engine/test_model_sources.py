@@ -19,6 +19,7 @@ from tokenizers import pre_tokenizers
 
 from engine import model_registry
 from engine.config import ModelConfig
+from engine.gguf_import import CONVERTER_VERSION
 from engine.loader import init_dummy_weights, iter_safetensors
 from engine.model_registry import DEFAULT_MODEL, DUMMY_SHAPES, ModelSource, resolve_model
 from engine.tokenizer import Tokenizer
@@ -93,7 +94,7 @@ def reference_tokenizer() -> "transformers.PreTrainedTokenizerBase":
 
 
 def test_default_model_converts_once(smollm2: ModelSource, cache_dir: Path) -> None:
-    folder = cache_dir / "models" / DEFAULT_MODEL
+    folder = cache_dir / "models" / f"{DEFAULT_MODEL}-v{CONVERTER_VERSION}"
     assert smollm2.path == folder and smollm2.load_format == "safetensors"
     assert {p.name for p in folder.iterdir()} == {
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
@@ -330,7 +331,7 @@ def test_gguf_cache_key_follows_the_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pre", ["gpt2", "smollm", "llama-bpe"])
+@pytest.mark.parametrize("pre", ["gpt2", "smollm", "llama-bpe", "qwen2"])
 def test_gguf_tokenizer_matches_transformers(tmp_path: Path, pre: str) -> None:
     _write_tiny_gguf(tmp_path / "tiny.gguf", pre=pre)
     source = resolve_model(str(tmp_path / "tiny.gguf"), cache_dir=tmp_path / "cache")
@@ -351,7 +352,7 @@ def test_unsupported_gguf_architecture_is_a_clear_error(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="only GGUF architecture 'llama'"):
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' cannot be imported; supported: .*'llama'"):
         resolve_model(str(tmp_path / "other.gguf"), cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache" / "models").iterdir())  # no half-written folder left behind
 

@@ -206,6 +206,10 @@ def _prefix_value(seq: Sequence, position: int) -> int:
     max_num_seqs=st.integers(min_value=1, max_value=8),
     mode=st.sampled_from(["swap", "recompute"]),
     prefix_caching=st.booleans(),
+    policy=st.sampled_from(["continuous", "static"]),
+    prefix_ordering=st.booleans(),
+    lookahead_steps=st.sampled_from([0, 0, 2, 8]),
+    victim=st.sampled_from(["recency", "least_work"]),
     events=st.lists(
         st.tuples(
             st.sampled_from(["arrive", "arrive", "step", "step", "step", "step", "finish", "abort", "fork"]),
@@ -217,7 +221,8 @@ def _prefix_value(seq: Sequence, position: int) -> int:
     ),
 )
 def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
-    num_blocks, num_host_blocks, block_size, budget, max_num_seqs, mode, prefix_caching, events
+    num_blocks, num_host_blocks, block_size, budget, max_num_seqs, mode, prefix_caching, policy, prefix_ordering,
+    lookahead_steps, victim, events,
 ):
     import torch
 
@@ -226,6 +231,8 @@ def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
     scheduler = make_scheduler(
         num_blocks, block_size, num_host_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
         preemption_mode=mode, enable_prefix_caching=prefix_caching, admission_watermark=0.1,
+        scheduling_policy=policy, prefix_aware_ordering=prefix_ordering, prefix_ordering_max_overtakes=3,
+        lookahead_admission_steps=lookahead_steps, preemption_victim=victim,
     )
     manager = scheduler.block_manager
     # One int64 per slot stands in for a token's K (and V); the runner moves blocks as it would KV.
@@ -268,7 +275,8 @@ def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
                 for position in range(seq.num_computed_tokens):
                     slot = table[position // block_size] * block_size + position % block_size
                     assert slots[slot] == _prefix_value(seq, position), "a sequence lost its KV"
-                if seq.num_tokens >= capacity:  # would outgrow the pool
+                # would outgrow the pool, or reached max_tokens (what lookahead admission counts on)
+                if seq.num_tokens >= capacity or len(seq.output_token_ids) >= seq.params.max_tokens:
                     scheduler.finish(seq)
                     del seqs[seq.seq_id]
         elif kind == "fork":
@@ -313,3 +321,118 @@ def test_a_prompt_waits_a_step_for_a_shared_prefix_being_computed_instead_of_com
     second = run_step(scheduler, seqs)
     assert [(s.seq_id, s.start_position, s.num_new_tokens) for s in second.scheduled] == [(0, 21, 1), (1, 20, 1), (2, 20, 1)]
     assert scheduler.counters.prefix_cache_hit_tokens == 40
+
+
+def test_static_policy_admits_the_next_batch_only_when_the_whole_batch_finished():
+    scheduler = make_scheduler(num_blocks=100, max_num_seqs=2, scheduling_policy="static")
+    seqs = {i: make_seq(i, 2) for i in range(4)}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    assert [s.seq_id for s in run_step(scheduler, seqs).scheduled] == [0, 1]
+    scheduler.finish(seqs.pop(0))  # a seat is free, but the batch is not done
+    assert [s.seq_id for s in run_step(scheduler, seqs).scheduled] == [1]
+    scheduler.finish(seqs.pop(1))
+    assert [s.seq_id for s in run_step(scheduler, seqs).scheduled] == [2, 3]
+    continuous = make_scheduler(num_blocks=100, max_num_seqs=2)
+    seqs = {i: make_seq(i, 2) for i in range(3)}
+    for seq in seqs.values():
+        continuous.add(seq)
+    run_step(continuous, seqs)
+    continuous.finish(seqs.pop(0))
+    assert [s.seq_id for s in run_step(continuous, seqs).scheduled] == [1, 2]
+
+
+def test_static_batch_keeps_forming_while_the_token_budget_is_what_stops_admission():
+    scheduler = make_scheduler(num_blocks=100, max_num_seqs=4, max_num_batched_tokens=8, scheduling_policy="static")
+    seqs = {i: make_seq(i, 6) for i in range(5)}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    run_step(scheduler, seqs)  # seq 0 whole, seq 1 in part: the budget ran out
+    run_step(scheduler, seqs)
+    run_step(scheduler, seqs)
+    assert sorted(s.seq_id for s in scheduler.running) == [0, 1, 2, 3]  # a full batch of 4, seq 4 waits for it
+    assert [s.seq_id for s in scheduler.waiting] == [4]
+
+
+def document_seq(seq_id: int, document: int, priority: int = 0) -> Sequence:
+    """A 20-token prompt: 16 tokens (4 blocks) of its document, then its own question."""
+    seq = make_seq(seq_id, 1, priority)
+    seq.prompt_token_ids = [1000 * (document + 1) + t for t in range(16)] + [seq_id + 1] * 4
+    return seq
+
+
+def admissions_until_done(scheduler: Scheduler, seqs: dict[int, Sequence]) -> list[int]:
+    """Step until every sequence is done, each finishing with its first token; returns the order in
+    which prompts were computed."""
+    order = []
+    while scheduler.has_unfinished():
+        out = run_step(scheduler, seqs)
+        order += [item.seq_id for item in out.scheduled if item.num_new_tokens > 1]
+        for seq in list(scheduler.running):
+            if seq.output_token_ids:
+                scheduler.finish(seq)
+    return order
+
+
+def test_prefix_aware_ordering_admits_the_questions_of_a_cached_document_first():
+    scheduler = make_scheduler(num_blocks=100, max_num_seqs=1, enable_prefix_caching=True)
+    # arrival order: documents 0, 1, 1, 0, 2, 0
+    seqs = {i: document_seq(i, d) for i, d in enumerate([0, 1, 1, 0, 2, 0])}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    assert admissions_until_done(scheduler, seqs) == [0, 3, 5, 1, 2, 4]
+    scheduler.block_manager.check_invariants()
+
+
+def test_prefix_aware_ordering_keeps_priority_first_and_bounds_overtaking():
+    scheduler = make_scheduler(
+        num_blocks=100, max_num_seqs=1, enable_prefix_caching=True, prefix_ordering_max_overtakes=2
+    )
+    seqs = {0: document_seq(0, 0), 1: document_seq(1, 1), 2: document_seq(2, 0), 3: document_seq(3, 0)}
+    seqs[4], seqs[5] = document_seq(4, 0), document_seq(5, 2, priority=-1)
+    for seq in seqs.values():
+        scheduler.add(seq)
+    order = admissions_until_done(scheduler, seqs)
+    # priority -1 first; then document 0 is cached, but seq 1 (the oldest) is overtaken only twice
+    assert order == [5, 0, 2, 3, 1, 4]
+
+
+def test_prefix_aware_ordering_off_keeps_arrival_order():
+    scheduler = make_scheduler(num_blocks=100, max_num_seqs=1, enable_prefix_caching=True, prefix_aware_ordering=False)
+    seqs = {i: document_seq(i, d) for i, d in enumerate([0, 1, 0])}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    assert admissions_until_done(scheduler, seqs) == [0, 1, 2]
+
+
+def length_bounded_seq(seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:
+    seq = make_seq(seq_id, prompt_len)
+    seq.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return seq
+
+
+def test_lookahead_admission_starts_a_prompt_in_the_blocks_free_now_when_the_rest_is_about_to_be_released():
+    for lookahead, admitted in ((0, []), (2, [(1, 8)])):
+        # seq 0 holds 6 of 8 blocks and finishes within 2 steps; seq 1 needs 4 blocks
+        scheduler = make_scheduler(num_blocks=8, block_size=4, lookahead_admission_steps=lookahead)
+        seqs = {0: length_bounded_seq(0, 21, max_tokens=2), 1: length_bounded_seq(1, 16, max_tokens=4)}
+        scheduler.add(seqs[0])
+        run_step(scheduler, seqs)  # prefill of seq 0: its first token
+        scheduler.add(seqs[1])
+        out = run_step(scheduler, seqs)  # seq 0 decodes its last token; 2 blocks are free, 4 needed
+        assert [(s.seq_id, s.num_new_tokens) for s in out.scheduled if s.seq_id == 1] == admitted
+        scheduler.finish(seqs[0])
+        out = run_step(scheduler, seqs)
+        assert [(s.seq_id, s.start_position) for s in out.scheduled] == [(1, 8 if lookahead else 0)]
+        scheduler.block_manager.check_invariants()
+
+
+def test_least_work_victim_preempts_the_sequence_with_the_fewest_computed_tokens():
+    for victim_policy, victim in (("recency", 2), ("least_work", 1)):
+        # 1 + 1 + 2 blocks fill the pool; seq 0's first decode needs a fifth: seq 1 or seq 2 must go
+        scheduler = make_scheduler(num_blocks=4, block_size=4, preemption_mode="recompute", preemption_victim=victim_policy)
+        seqs = {0: make_seq(0, 4), 1: make_seq(1, 4), 2: make_seq(2, 8)}
+        for seq in seqs.values():
+            scheduler.add(seq)
+        run_step(scheduler, seqs)
+        assert run_step(scheduler, seqs).preempted[0] == victim  # by recency: the newest; else: 4 computed < 8

@@ -11,18 +11,11 @@ import numpy as np
 import pytest
 
 from engine.embedder import Embedder
-from jobs.batch_format import (
-    COMPLETIONS,
-    EMBEDDINGS,
-    MAX_EMBEDDING_INPUTS,
-    BatchLineValidator,
-    BatchRequest,
-    EmbeddingRequest,
-    LineError,
-    embedding_records,
-)
+from jobs.openai_format.records import embedding_records
+from jobs.openai_format.requests import COMPLETIONS, EMBEDDINGS, MAX_EMBEDDING_INPUTS, BatchRequest, EmbeddingRequest
+from jobs.openai_format.validation import BatchLineValidator, LineError
 from jobs.lazy_embedder import LazyEmbedder
-from tests.jobs.test_batch_format import WordTokenizer
+from tests.jobs.test_openai_format import SERVED, WordTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +29,7 @@ def embedding_line(custom_id: str = "emb-1", **body: Any) -> str:
 
 
 def validate(line: str, endpoint: str | None = EMBEDDINGS) -> EmbeddingRequest | BatchRequest | LineError:
-    return BatchLineValidator(WordTokenizer(), 64, endpoint).validate(line)  # type: ignore[arg-type]
+    return BatchLineValidator(WordTokenizer(), 64, endpoint, models=SERVED).validate(line)  # type: ignore[arg-type]
 
 
 def accepted(line: str) -> EmbeddingRequest:

@@ -12,6 +12,7 @@ from jobs.models import Base
 TABLES = {
     "projects", "api_keys", "files", "batches", "chunks",
     "webhook_endpoints", "webhook_events", "webhook_deliveries", "webhook_attempts", "schedules", "schedule_fires",
+    "idempotent_requests",
 }
 
 

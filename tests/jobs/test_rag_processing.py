@@ -25,9 +25,9 @@ from jobs.rag.contextualize import context_prompts, engine_context_generator
 from jobs.rag.processing import (
     DEFAULT_CONTEXT_PROMPT,
     PARQUET_SCHEMA,
-    ChunkRecord,
+    PassageRecord,
     DocumentProcessor,
-    ObjectStoreChunkCache,
+    ObjectStorePassageCache,
     RagOptions,
     document_cache_key,
     embedding_input,
@@ -57,9 +57,9 @@ def article(seed: int, paragraphs: int = 6) -> str:
     return "\n\n".join(lines)
 
 
-def record(doc_id: str, index: int, context: str | None, metadata: dict | None) -> ChunkRecord:
+def record(doc_id: str, index: int, context: str | None, metadata: dict | None) -> PassageRecord:
     text = f"chunk {index} of {doc_id}: déjà vu, 東京"
-    return ChunkRecord(
+    return PassageRecord(
         doc_id=doc_id, chunk_index=index, text=text, context=context, token_count=5 + index,
         char_start=100 * index, char_end=100 * index + len(text), metadata=metadata,
         embedding=np.arange(4, dtype=np.float32) + index,
@@ -229,12 +229,12 @@ def test_document_cache_key_depends_on_fingerprint_and_text() -> None:
 
 
 @pytest.fixture()
-def cache(object_store: ObjectStore) -> ObjectStoreChunkCache:
-    return ObjectStoreChunkCache(object_store, rag_cache_prefix(f"proj-{secrets.token_hex(4)}"))
+def cache(object_store: ObjectStore) -> ObjectStorePassageCache:
+    return ObjectStorePassageCache(object_store, rag_cache_prefix(f"proj-{secrets.token_hex(4)}"))
 
 
 def make_processor(
-    splitter: TextSplitter, embed: CountingEmbedder, cache: ObjectStoreChunkCache | None,
+    splitter: TextSplitter, embed: CountingEmbedder, cache: ObjectStorePassageCache | None,
     options: RagOptions = SMALL_CHUNKS, contexts: NumberedContexts | None = None,
 ) -> DocumentProcessor:
     return DocumentProcessor(options, splitter, embed, contexts, cache, generation_model=DEFAULT_MODEL)
@@ -256,7 +256,7 @@ def test_records_are_the_splitters_chunks_with_their_embeddings(splitter: TextSp
 
 
 def test_a_second_run_of_the_same_document_comes_from_the_cache(
-    splitter: TextSplitter, cache: ObjectStoreChunkCache
+    splitter: TextSplitter, cache: ObjectStorePassageCache
 ) -> None:
     contexts = NumberedContexts()
     options = RagOptions(chunk_tokens=48, overlap_tokens=8, contextualize=True)
@@ -279,7 +279,7 @@ def test_a_second_run_of_the_same_document_comes_from_the_cache(
     assert second.stats.documents_from_cache == 2 and second_embed.calls == []
 
 
-def test_only_the_changed_document_is_recomputed(splitter: TextSplitter, cache: ObjectStoreChunkCache) -> None:
+def test_only_the_changed_document_is_recomputed(splitter: TextSplitter, cache: ObjectStorePassageCache) -> None:
     documents = [(f"doc-{i}", article(i), None) for i in range(4)]
     first_embed = CountingEmbedder()
     first = make_processor(splitter, first_embed, cache).process_many(documents)
@@ -298,7 +298,7 @@ def test_only_the_changed_document_is_recomputed(splitter: TextSplitter, cache: 
     assert [r.doc_id for r in second] == sorted(r.doc_id for r in second)  # input order
 
 
-def test_other_settings_do_not_share_cache_entries(splitter: TextSplitter, cache: ObjectStoreChunkCache) -> None:
+def test_other_settings_do_not_share_cache_entries(splitter: TextSplitter, cache: ObjectStorePassageCache) -> None:
     make_processor(splitter, CountingEmbedder(), cache).process("d", article(5), None)
     embed = CountingEmbedder()
     other = make_processor(splitter, embed, cache, RagOptions(chunk_tokens=64, overlap_tokens=8))
@@ -306,7 +306,7 @@ def test_other_settings_do_not_share_cache_entries(splitter: TextSplitter, cache
     assert other.stats.documents_from_cache == 0 and embed.texts_embedded > 0
 
 
-def test_a_damaged_cache_entry_is_recomputed(splitter: TextSplitter, cache: ObjectStoreChunkCache) -> None:
+def test_a_damaged_cache_entry_is_recomputed(splitter: TextSplitter, cache: ObjectStorePassageCache) -> None:
     processor = make_processor(splitter, CountingEmbedder(), cache)
     key = document_cache_key(processor.fingerprint, article(6))
     cache.store.put_bytes(f"{cache.prefix}{key}.parquet", b"not parquet")

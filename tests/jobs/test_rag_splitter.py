@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, resolve_embedding_model
 from jobs.rag.documents import extract_text
-from jobs.rag.splitter import Boundary, Chunk, SplitterConfig, TextSplitter, _Boundaries
+from jobs.rag.splitter import Boundary, Passage, SplitterConfig, TextSplitter, _Boundaries
 from tests.jobs.test_rag_documents import ARTICLE_HTML, TWO_PAGE_PDF, pdf_with_pages
 
 TokenCounter = Callable[[str], int]
@@ -53,7 +53,7 @@ def make_splitter(tokenizer: Tokenizer, chunk_tokens: int, overlap_tokens: int =
     return TextSplitter(tokenizer, SplitterConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens))
 
 
-def assert_valid_chunks(splitter: TextSplitter, text: str, chunks: list[Chunk]) -> None:
+def assert_valid_chunks(splitter: TextSplitter, text: str, chunks: list[Passage]) -> None:
     """What holds for every split: exact slices, trimmed, in budget, truly counted, in order, covering every
     non-space character, and overlapping by at most the overlap budget."""
     config = splitter.config
@@ -74,7 +74,7 @@ def assert_valid_chunks(splitter: TextSplitter, text: str, chunks: list[Chunk]) 
             assert splitter.count_tokens(text[chunk.char_start : previous.char_end]) <= config.overlap_tokens
 
 
-def texts(chunks: list[Chunk]) -> list[str]:
+def texts(chunks: list[Passage]) -> list[str]:
     return [chunk.text for chunk in chunks]
 
 

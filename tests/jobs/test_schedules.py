@@ -21,16 +21,9 @@ from jobs.keys import create_key_in_database
 from jobs.models import Batch, File, FilePurpose, Schedule, ScheduleFire, new_id
 from jobs.object_keys import file_key, inbox_key
 from jobs.rag.processing import RagOptions
-from jobs.schedules import (
-    Fire,
-    ScheduleSpec,
-    create_schedule,
-    fire_due_schedules,
-    list_runs,
-    next_fire_time,
-    normalized_cron,
-    run_id,
-)
+from jobs.schedules.cron import next_fire_time, normalized_cron
+from jobs.schedules.definitions import ScheduleSpec, create_schedule, list_runs, run_id
+from jobs.schedules.firing import Fire, fire_due_schedules
 from jobs.storage import ObjectStore
 
 UTC = timezone.utc

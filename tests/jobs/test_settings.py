@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jobs.settings import S3Settings, Settings
+from jobs.settings_doc import README, readme_with_table
 
 
 def test_defaults_need_no_environment() -> None:
@@ -62,3 +63,21 @@ def test_worker_concurrency_fills_twice_the_running_batch() -> None:
 def test_bad_values_name_their_variable(variable: str, value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Settings.from_env({variable: value})
+
+
+def test_settings_built_in_code_read_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_CHUNK_SIZE", "7")
+    assert Settings().chunk_size == 100 and Settings.from_env().chunk_size == 7
+
+
+def test_blank_optional_variables_mean_unset_and_integers_may_be_written_in_e_notation() -> None:
+    settings = Settings.from_env(
+        {"CONVEYOR_S3_ENDPOINT_URL": "", "CONVEYOR_WORKER_CONCURRENCY": "none", "CONVEYOR_MAX_UPLOAD_BYTES": "2e8"}
+    )
+    assert settings.s3.endpoint_url is None and settings.worker_concurrency is None
+    assert settings.max_upload_bytes == 200_000_000
+
+
+def test_the_readme_table_is_generated_from_the_settings() -> None:
+    readme = README.read_text()
+    assert readme_with_table(readme) == readme, "README's settings table is stale: run `python -m jobs.settings_doc`"

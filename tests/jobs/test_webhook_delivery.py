@@ -23,17 +23,11 @@ from jobs.models import (
     WebhookEndpoint,
     utcnow,
 )
-from jobs.webhook_signing import new_signing_secret
-from jobs.webhook_targets import AllowList
-from jobs.webhooks import (
-    MAX_ATTEMPTS,
-    DeliveryPolicy,
-    attempt_delivery,
-    create_endpoint,
-    list_deliveries,
-    record_batch_event,
-    send_due_deliveries,
-)
+from jobs.webhooks.signing import new_signing_secret
+from jobs.webhooks.targets import AllowList
+from jobs.webhooks.delivery import MAX_ATTEMPTS, DeliveryPolicy, attempt_delivery, send_due_deliveries
+from jobs.webhooks.endpoints import create_endpoint, list_deliveries
+from jobs.webhooks.events import record_batch_event
 from tests.webhook_receiver import WebhookReceiver, running_receiver
 
 LOOPBACK_ALLOWED = AllowList.parse("127.0.0.1")

@@ -14,8 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from jobs.webhook_signing import new_signing_secret, signed_headers
-from jobs.webhook_targets import (
+from jobs.webhooks.signing import new_signing_secret, signed_headers
+from jobs.webhooks.targets import (
     AllowList,
     WebhookTarget,
     WebhookTargetRefused,

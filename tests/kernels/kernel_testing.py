@@ -95,9 +95,12 @@ def naive_attention(
     keys: torch.Tensor,  # [seq_len, num_kv_heads, head_dim], dense
     values: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last q_len positions of a sequence, in float64, head by head and
-    row by row: the slow, obvious oracle for the references."""
+    row by row: the slow, obvious oracle for the references. With a `window` a query at position p
+    sees keys in (p - window, p]; `softcap` caps the scores at softcap * tanh(scores / softcap)."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
@@ -107,7 +110,10 @@ def naive_attention(
         v = values[:, head // group].double().cpu()
         for row in range(q_len):
             visible = seq_len - q_len + row + 1
-            scores = (k[:visible] @ q[row, head].double().cpu()) * scale
+            first = 0 if window is None else max(0, visible - window)
+            scores = (k[first:visible] @ q[row, head].double().cpu()) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             weights = torch.exp(scores - scores.max())
-            out[row, head] = (weights / weights.sum()) @ v[:visible]
+            out[row, head] = (weights / weights.sum()) @ v[first:visible]
     return out

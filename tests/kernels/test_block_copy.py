@@ -12,7 +12,9 @@ BLOCK_SHAPE = (16, 2, 64)  # block_size, num_kv_heads, head_dim
 
 
 def _pool(num_blocks: int, dtype: torch.dtype, device: str, generator: torch.Generator) -> torch.Tensor:
-    return torch.randn(num_blocks, *BLOCK_SHAPE, generator=generator).to(device, dtype)
+    pool = torch.randn(num_blocks, *BLOCK_SHAPE, generator=generator).to(device, dtype)
+    # A host pool beside a GPU is pinned, as the engine allocates it: the kernel addresses it directly.
+    return pool.pin_memory() if device == "cpu" and torch.cuda.is_available() else pool
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -34,36 +36,49 @@ def test_copy_blocks_matches_reference(device: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swap_blocks_within_a_device_matches_reference(device: str, dtype: torch.dtype) -> None:
-    """Between two pools of different sizes on one device (the Triton path)."""
+    """Two caches (a layer's K and V) between two pools of different sizes on one device, one launch."""
     generator = torch.Generator().manual_seed(1)
-    src, dst = _pool(6, dtype, device, generator), _pool(9, dtype, device, generator)
+    src = [_pool(6, dtype, device, generator) for _ in range(2)]
+    dst = [_pool(9, dtype, device, generator) for _ in range(2)]
     pairs = torch.tensor([[1, 8], [4, 0], [5, 2]])
-    expected = dst.clone()
-    untouched_src = src.clone()
+    expected = [cache.clone() for cache in dst]
+    untouched_src = [cache.clone() for cache in src]
 
     swap_blocks(src, dst, pairs)
 
     swap_blocks_reference(untouched_src, expected, pairs)
-    assert torch.equal(dst, expected)
-    assert torch.equal(src, untouched_src)
+    for actual, wanted in zip(dst + src, expected + untouched_src):
+        assert torch.equal(actual, wanted)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize(("src_device", "dst_device"), [("cuda", "cpu"), ("cpu", "cuda")])
 def test_swap_blocks_between_gpu_and_host(src_device: str, dst_device: str) -> None:
-    """The torch path through pinned host memory."""
+    """The kernel on the GPU reading or writing the pinned host pool directly, without a host sync."""
     generator = torch.Generator().manual_seed(2)
-    src = _pool(6, torch.bfloat16, src_device, generator)
-    dst = _pool(9, torch.bfloat16, dst_device, generator)
-    pairs = torch.tensor([[1, 8], [4, 0], [5, 2]])
-    expected = dst.clone()
+    src = [_pool(6, torch.bfloat16, src_device, generator) for _ in range(2)]
+    dst = [_pool(9, torch.bfloat16, dst_device, generator) for _ in range(2)]
+    pairs = torch.tensor([[1, 8], [4, 0], [5, 2]]).cuda()
+    expected = [cache.clone() for cache in dst]
+    swap_blocks([src[0]], [dst[0]], pairs)  # the first launch compiles and builds the address tensors
 
-    swap_blocks(src, dst, pairs)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        swap_blocks(src, dst, pairs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
 
     swap_blocks_reference(src, expected, pairs)
-    assert torch.equal(dst, expected)
+    for actual, wanted in zip(dst, expected):
+        assert torch.equal(actual, wanted)
+
+
+def test_swap_refuses_an_unpinned_host_pool_beside_a_gpu() -> None:
+    gpu_cache = torch.empty(2, *BLOCK_SHAPE, device="meta")
+    with pytest.raises(ValueError, match="pinned"):
+        swap_blocks([gpu_cache], [torch.zeros(2, *BLOCK_SHAPE)], torch.tensor([[0, 1]]))
 
 
 def test_references_match_block_by_block_copies() -> None:
@@ -75,7 +90,7 @@ def test_references_match_block_by_block_copies() -> None:
     copied, swapped = src.clone(), dst.clone()
 
     copy_blocks_reference([copied], [], torch.tensor([[0, 4], [3, 1]]))
-    swap_blocks_reference(src, swapped, torch.tensor([[0, 2]]))
+    swap_blocks_reference([src], [swapped], torch.tensor([[0, 2]]))
 
     assert torch.equal(copied, expected_src)
     assert torch.equal(swapped, expected_dst)

@@ -1,10 +1,17 @@
 """The interpreter runs kernels as numpy code, so it cannot catch what only the GPU compiler
 rejects (loop-carried type changes, tl.dot shape rules, shared memory overflows). Here every kernel
-is compiled ahead of time for an H100 (sm_90) down to a cubin, which needs Triton's bundled NVIDIA
-toolchain but no GPU. It runs in a subprocess because this one has TRITON_INTERPRET set."""
+variant the engine launches is compiled ahead of time for an H100 (sm_90) down to a cubin, which
+needs Triton's bundled NVIDIA toolchain but no GPU, and each must fit an H100's shared memory.
+
+The variants are the real ones: the engine's warm-up (which runs every variant a step can launch)
+drives a model of each shape on the meta device, with the H100's 132 SMs for the decode split
+choice, and each launch is recorded with Triton's own specialisation rules (integers equal to 1
+or divisible by 16, pointer alignment; not the do_not_specialize arguments) instead of being run.
+It runs in a subprocess because this one has TRITON_INTERPRET set."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,72 +20,76 @@ import pytest
 
 from kernels.triton_utils import TRITON_AVAILABLE
 
+H100_SHARED_MEMORY_PER_BLOCK = 227 * 1024  # of 228 KB per SM; 1 KB is reserved per block
+SHAPES = (("llama-3-8b", "bfloat16"), ("qwen2-0.5b", "bfloat16"), ("qwen3-0.6b", "float32"), ("qwen3-30b-a3b", "bfloat16"))
+
 _PROGRAM = """
+import json
 import os
+import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+import torch
 import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
-from kernels import activation, block_copy, decode_attention, kv_cache_write, prefill_attention, rmsnorm, rotary
+from engine.attention import TritonAttention
+from engine.config import ModelConfig
+from engine.dtypes import building_on
+from engine.kv_cache import allocate_kv_cache
+from engine.model_registry import DUMMY_SHAPES
+from engine.model_runner import ModelRunner
+from engine.models import MODEL_CLASSES
+from kernels import decode_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
+H100_SMS = 132
+launches = {}
 
 
-def compile_for_gpu(kernel, types, constexprs, num_warps=4):
-    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
-    triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET, options={"num_warps": num_warps})
+def record(kernel, *args, grid, warmup, **kwargs):
+    values = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names}
+    options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+            continue
+        kind, spec = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize, True)
+        if kind == "constexpr":  # an integer equal to 1 becomes a constant
+            signature[param.name], constexprs[param.name] = "constexpr", spec
+            continue
+        signature[param.name] = kind
+        if spec == "D":
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    key = repr((kernel.fn.__name__, signature, constexprs, attrs, sorted(options.items())))
+    launches.setdefault(key, (kernel, signature, constexprs, attrs, options))
 
 
-for dtype in ("bf16", "fp32"):
-    attention_types = {name: "*" + dtype for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
-    attention_types.update(
-        block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32",
-        partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
-    )
-    block_n = 64 if dtype == "bf16" else 32
-    for single_split in (True, False):
-        compile_for_gpu(
-            decode_attention._decode_partition_kernel,
-            attention_types,
-            dict(BLOCK_SIZE=16, BLOCK_N=block_n, GROUP_PAD=16, HEAD_DIM_PAD=128, SINGLE_SPLIT=single_split,
-                 DOT_IN_FP32=dtype == "fp32"),
-        )
-    compile_for_gpu(
-        prefill_attention._prefill_attention_kernel,
-        attention_types,
-        dict(BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=block_n, HEAD_DIM_PAD=128, DOT_IN_FP32=dtype == "fp32"),
-    )
-compile_for_gpu(
-    decode_attention._decode_merge_kernel,
-    {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_max_ptr": "*fp32", "partial_sum_ptr": "*fp32"},
-    dict(SPLITS_PAD=8, HEAD_DIM_PAD=128),
-)
-compile_for_gpu(
-    kv_cache_write._write_kv_cache_kernel,
-    {name: "*bf16" for name in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")} | {"slot_mapping_ptr": "*i64"},
-    dict(HEADS_PAD=8, HEAD_DIM_PAD=128),
-)
-compile_for_gpu(
-    rmsnorm._rms_norm_kernel,
-    {name: "*bf16" for name in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "residual_out_ptr")} | {"eps": "fp32"},
-    dict(BLOCK=4096, HAS_RESIDUAL=True),
-    num_warps=8,
-)
-compile_for_gpu(
-    rotary._rotary_kernel,
-    {"q_ptr": "*bf16", "k_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
-    dict(Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=64),
-)
-compile_for_gpu(activation._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024))
-compile_for_gpu(
-    block_copy._copy_blocks_kernel,
-    {"src_addresses_ptr": "*i64", "dst_addresses_ptr": "*i64", "pairs_ptr": "*i64"},
-    dict(WORD=tl.int16, CHUNK=2048),
-)
+JITFunction.run = record
+decode_attention.multiprocessor_count = lambda device: H100_SMS
+
+meta = torch.device("meta")
+for shape, dtype_name in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dtype_name)
+    config = ModelConfig.from_hf(DUMMY_SHAPES[shape])
+    with building_on(meta, dtype):
+        model = MODEL_CLASSES[config.architecture](config, TritonAttention(), "triton")
+    block_size = 16
+    runner = ModelRunner(model, allocate_kv_cache(config, 1024, block_size, dtype, meta), [], block_size, meta, "triton")
+    runner.warm_up(8192, -(-config.max_position_embeddings // block_size))
+
+results = []
+for kernel, signature, constexprs, attrs, options in launches.values():
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options)
+    described = {k: v if isinstance(v, (int, bool)) else str(v) for k, v in constexprs.items()}
+    results.append({"kernel": kernel.fn.__name__, "constexprs": described, "shared": compiled.metadata.shared})
+print(json.dumps(results))
 """
 
 
@@ -90,8 +101,27 @@ def _nvidia_backend_present() -> bool:
     return "nvidia" in backends
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _nvidia_backend_present(), reason="needs Triton with its NVIDIA backend")
-def test_every_kernel_compiles_for_sm90() -> None:
+def test_every_launched_variant_compiles_for_sm90_within_shared_memory() -> None:
     repo_root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "-c", _PROGRAM], cwd=repo_root, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", _PROGRAM, json.dumps(SHAPES)], cwd=repo_root, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr[-4000:]
+    variants = json.loads(result.stdout.strip().splitlines()[-1])
+
+    too_big = [v for v in variants if v["shared"] > H100_SHARED_MEMORY_PER_BLOCK]
+    assert too_big == []
+    kernels = {v["kernel"] for v in variants}
+    assert kernels == {
+        "_prefill_attention_kernel", "_decode_partition_kernel", "_decode_merge_kernel", "_write_kv_cache_kernel",
+        "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_copy_blocks_kernel", "_expert_matmul_kernel",
+    }
+    # Every query-tile height (16, 32 and 64 rows for a group of 4), one and several partitions,
+    # and the merge's padded partition counts up to the cap.
+    prefill_tiles = {v["constexprs"]["BLOCK_M"] for v in variants if v["kernel"] == "_prefill_attention_kernel"}
+    assert prefill_tiles == {16, 32, 64}
+    assert {v["constexprs"]["SINGLE_SPLIT"] for v in variants if v["kernel"] == "_decode_partition_kernel"} == {True, False}
+    merge_pads = {v["constexprs"]["SPLITS_PAD"] for v in variants if v["kernel"] == "_decode_merge_kernel"}
+    assert merge_pads == {2, 4, 8, 16, 32}

@@ -18,6 +18,7 @@ import torch
 import kernels.activation
 import kernels.block_copy
 import kernels.decode_attention
+import kernels.fused_moe
 import kernels.kv_cache_write
 import kernels.prefill_attention
 import kernels.rmsnorm

@@ -1,0 +1,196 @@
+"""Megatron-style sharded layers: each rank holds, loads and computes its slice of a layer.
+
+A column-parallel projection splits its output features across ranks (q/k/v heads, the gate and up halves of the
+MLP): no communication, each rank keeps its own heads. The row-parallel projection after it (o, down) splits its
+input features the same way, so each rank's product is a partial sum: one all-reduce makes it whole. The
+embedding and the output projection split the vocabulary: the embedding sums the rows (one all-reduce), the output
+projection gathers the logits of the sampled rows on rank 0, the only rank that samples.
+
+With a group of size 1 every layer is the plain layer and no collective runs. Weights come from checkpoint tensors
+that can be sliced before they are read (safetensors slices): a rank reads its part only.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import TensorParallelGroup, current_group
+
+# A batch-size hint for oneDNN's weight layout; packed weights serve any number of tokens.
+PACK_FOR_TOKENS = 64
+
+
+class CheckpointTensor(Protocol):
+    """A tensor of a checkpoint that is read only where indexed: a safetensors slice, or a torch.Tensor."""
+
+    def __getitem__(self, index: object) -> torch.Tensor: ...
+
+
+def full_shape(tensor: CheckpointTensor) -> tuple[int, ...]:
+    if isinstance(tensor, torch.Tensor):
+        return tuple(tensor.shape)
+    return tuple(tensor.get_shape())  # type: ignore[attr-defined]
+
+
+def read_whole(tensor: CheckpointTensor) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({parts})")
+    return total // parts
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be prepacked into oneDNN's blocked layout for bfloat16 on CPU:
+    measured 1.5x on decode-size matmuls, where reading the weights is the cost (26 -> 17 ms for
+    the 30 layers of SmolLM2 at 64 tokens). Packing keeps a second, packed copy of the weight."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_FOR_TOKENS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split across ranks: rank r holds rows [r * out / size, (r + 1) * out / size) of the weight
+    (and bias), one contiguous slice per logical part (`part_sizes`, e.g. q, k and v) so each part splits alone."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool, what: str) -> None:
+        self.group: TensorParallelGroup = current_group()
+        self.local_part_sizes = [_divide(size, self.group.size, what) for size in part_sizes]
+        super().__init__(in_features, sum(self.local_part_sizes), bias=bias)
+
+    @torch.no_grad()
+    def load(self, leaf: str, tensor: CheckpointTensor, part: int | None) -> int:
+        """Copy this rank's rows of checkpoint tensor `tensor` into `leaf`: part `part` of the fused projection (q, k
+        or v; gate or up), or with `part` None all parts back to back, as checkpoints that fuse them store them
+        (Phi-3). Returns the elements written."""
+        parameter: torch.Tensor = getattr(self, leaf)
+        size, rank = self.group.size, self.group.rank
+        parts = range(len(self.local_part_sizes)) if part is None else [part]
+        expected = sum(self.local_part_sizes[p] for p in parts) * size
+        if full_shape(tensor)[0] != expected:
+            raise ValueError(f"checkpoint rows {full_shape(tensor)[0]} != {expected} expected for this projection")
+        checkpoint_start, written = 0, 0
+        for p in parts:
+            local = self.local_part_sizes[p]
+            start = sum(self.local_part_sizes[:p])
+            rows = checkpoint_start + rank * local
+            destination = parameter[start : start + local]
+            destination.copy_(tensor[rows : rows + local])
+            checkpoint_start += local * size
+            written += destination.numel()
+        return written
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v fused; each rank holds its query heads and its key/value heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        group = current_group()
+        _divide(num_heads, group.size, "num_attention_heads")
+        _divide(num_kv_heads, group.size, "num_key_value_heads")
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, "attention heads x head_dim")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate and up fused; each rank holds its slice of both, [gate_r; up_r]."""
+
+    def __init__(self, in_features: int, intermediate_size: int) -> None:
+        super().__init__(in_features, [intermediate_size, intermediate_size], False, "intermediate_size")
+
+
+class RowParallelLinear(Linear):
+    """Input features split across ranks; the partial products are summed by one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, what: str) -> None:
+        self.group: TensorParallelGroup = current_group()
+        super().__init__(_divide(in_features, self.group.size, what), out_features, bias=False)
+
+    @torch.no_grad()
+    def load(self, leaf: str, tensor: CheckpointTensor, part: int | None) -> int:
+        local = self.in_features
+        shape = full_shape(tensor)
+        if shape != (self.out_features, local * self.group.size):
+            raise ValueError(f"checkpoint shape {shape} != {(self.out_features, local * self.group.size)} expected")
+        self.weight.copy_(tensor[:, self.group.rank * local : (self.group.rank + 1) * local])
+        return self.weight.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+def vocab_shard(vocab_size: int, group: TensorParallelGroup) -> tuple[int, int, int]:
+    """(first token id, end token id, rows held) of this rank's vocabulary slice. Every rank holds the same number
+    of rows, the last one padded with zero rows when the vocabulary does not divide evenly."""
+    rows = -(-vocab_size // group.size)
+    start = min(group.rank * rows, vocab_size)
+    return start, min(start + rows, vocab_size), rows
+
+
+def _load_vocab_rows(weight: torch.Tensor, tensor: CheckpointTensor, vocab_size: int, group: TensorParallelGroup) -> int:
+    shape = full_shape(tensor)
+    if shape != (vocab_size, weight.shape[1]):
+        raise ValueError(f"checkpoint shape {shape} != {(vocab_size, weight.shape[1])} expected")
+    start, end, _ = vocab_shard(vocab_size, group)
+    with torch.no_grad():
+        weight[: end - start].copy_(tensor[start:end])
+        weight[end - start :].zero_()
+    return weight.numel()
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks: each rank looks up the ids it holds (zeros for the
+    others) and one all-reduce sums the rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.group = current_group()
+        self.vocab_size = vocab_size
+        self.start, self.end, rows = vocab_shard(vocab_size, self.group)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def load(self, leaf: str, tensor: CheckpointTensor, part: int | None) -> int:
+        return _load_vocab_rows(self.weight, tensor, self.vocab_size, self.group)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.start) | (input_ids >= self.end)
+        local_ids = (input_ids - self.start).masked_fill_(outside, 0)
+        rows = F.embedding(local_ids, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.group.all_reduce(rows)
+
+
+class ParallelLMHead(Linear):
+    """The output projection with the vocabulary split as in VocabParallelEmbedding; `gather_logits` assembles
+    the full rows on rank 0."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        self.group = current_group()
+        self.vocab_size = vocab_size
+        super().__init__(hidden_size, vocab_shard(vocab_size, self.group)[2], bias=False)
+
+    def load(self, leaf: str, tensor: CheckpointTensor, part: int | None) -> int:
+        return _load_vocab_rows(self.weight, tensor, self.vocab_size, self.group)
+
+
+def gather_logits(local_logits: torch.Tensor, vocab_size: int, group: TensorParallelGroup) -> torch.Tensor | None:
+    """[N, vocab] float32 logits on rank 0 from each rank's [N, vocab / size] slice (the padding dropped);
+    None on the other ranks. Called with only the rows that are sampled, so little crosses between ranks."""
+    logits = group.gather_to_first(local_logits)
+    if logits is None:
+        return None
+    return logits[:, :vocab_size].float()

@@ -1,0 +1,241 @@
+"""OpenAI request bodies as conveyor reads them, and the requests a valid line becomes.
+
+The bodies are strict pydantic models: a temperature of "0.7" or a max_tokens of true is a client bug worth
+reporting, not coercing; every field is either honoured or refused (an unknown one fails its line). An endpoint adds
+its body here (or, like `/v1/responses`, in a module of its own: `responses_api`), its line check in `validation` and
+its answer in `records`. docs/openai_compatibility.md lists every field and what becomes of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Protocol, get_args
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputParams
+from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
+from jobs.openai_format.tool_calls import ChatToolCall, Tool, ToolCallPlan, ToolChoice
+from jobs.served_models import ModelKind
+
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
+CHAT_COMPLETIONS: Endpoint = "/v1/chat/completions"
+COMPLETIONS: Endpoint = "/v1/completions"
+EMBEDDINGS: Endpoint = "/v1/embeddings"
+RESPONSES: Endpoint = "/v1/responses"
+EncodingFormat = Literal["float", "base64"]
+MODEL_KINDS: dict[Endpoint, ModelKind] = {
+    CHAT_COMPLETIONS: "generation",
+    COMPLETIONS: "generation",
+    EMBEDDINGS: "embedding",
+    RESPONSES: "generation",
+}  # which kind of served model answers an endpoint's lines
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of texts in one embeddings request
+
+
+class PromptTokenizer(Protocol):
+    """The part of `engine.tokenizer.Tokenizer` that validating and answering a line needs."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str: ...
+
+
+class StrictBody(BaseModel):
+    # Strict: a temperature of "0.7" or a max_tokens of true is a client bug worth reporting, not coercing.
+    # Unknown parameters are rejected so that e.g. response_format is never silently ignored.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _join_text_parts(content: object) -> object:
+    """OpenAI allows content as a list of typed parts; a text-only model can take only the text ones."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ValueError('content parts must be {"type": "text", "text": "..."}; only text input is supported')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _as_list(value: object) -> object:
+    return [value] if isinstance(value, str) else value
+
+
+def _single_prompt(prompt: object) -> object:
+    """Accept one prompt as text or token ids, also wrapped in a one-element list as OpenAI clients send it."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+        raise ValueError("a batch line takes exactly one prompt; put each prompt on its own line")
+    if isinstance(prompt, list) and all(type(item) is int and item >= 0 for item in prompt):
+        return prompt
+    raise ValueError("prompt must be a string or a list of token ids (integers >= 0)")
+
+
+class ChatMessage(StrictBody):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str | None, BeforeValidator(_join_text_parts)] = None
+    name: str | None = None  # the participant's name: passed to the chat template, which uses it where it has a slot
+    tool_calls: list[ChatToolCall] | None = None  # an assistant turn's calls (tool_calls.py)
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("tool messages, and only they, need tool_call_id")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (an assistant message may give tool_calls instead)")
+        return self
+
+
+class _SamplingFields(StrictBody):
+    """Parameters both endpoints share. None means "not given": the engine's (= OpenAI's) default applies."""
+
+    model: str | None = None  # a served model's name or alias (else model_not_found); None: the batch's model
+    user: str | None = None  # accepted for client compatibility; unused
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Annotated[list[str], BeforeValidator(_as_list), Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    best_of: int | None = None  # OpenAI's completions parameter; vLLM accepts it on chat too
+    use_beam_search: bool | None = None
+    beam_width: int | None = None
+    length_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a JSON key) -> bias in [-100, 100]
+    # Output constraints (structured_output.py): OpenAI's, and vLLM's guided_* extensions
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        shared = set(_SamplingFields.model_fields) - {"model", "user", "logit_bias", *_CONSTRAINT_FIELDS}
+        return self.model_dump(include=shared, exclude_none=True)
+
+    def constraint(self) -> StructuredOutputParams | None:
+        return constraint_from_request(
+            self.response_format, self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
+        )
+
+
+_CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _not_streamed(stream: bool | None) -> bool | None:
+    if stream:
+        raise ValueError("stream=true is not supported: a batch line is answered by one response, not a stream")
+    return stream
+
+
+# OpenAI's `stream`: only false (the default) has a meaning in a batch.
+NotStreamed = Annotated[bool | None, AfterValidator(_not_streamed)]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+
+
+class ChatCompletionBody(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: NotStreamed = None
+    # Accepted no-ops, with OpenAI's meaning where it holds here: `store` asks OpenAI to keep the completion for its
+    # dashboard and distillation (conveyor's output file is the only record either way); `metadata` tags that stored
+    # completion; `service_tier` picks OpenAI's processing tier (a batch has one tier: this deployment).
+    store: bool | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    service_tier: ServiceTier | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+def _embedding_texts(value: object) -> object:
+    """OpenAI's `input`: one text or a list of them. Token-id inputs (a list of ints, or of int lists) are refused
+    with a message of their own, rather than pydantic's list of type errors."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(item, (int, list)) for item in value):
+        raise ValueError("token-id input is not supported; send the text (a string or a list of strings)")
+    return value
+
+
+class EmbeddingBody(StrictBody):
+    input: Annotated[list[str], BeforeValidator(_embedding_texts), Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    model: str | None = None  # as for the other endpoints: a served embedding model's name or alias
+    encoding_format: EncodingFormat | None = None  # None: "float"
+    dimensions: int | None = Field(default=None, ge=1)  # must equal the model's; checked when the line runs
+    user: str | None = None  # accepted for client compatibility; unused
+
+    @field_validator("input")
+    @classmethod
+    def _reject_empty_texts(cls, texts: list[str]) -> list[str]:
+        empty = [index for index, text in enumerate(texts) if not text]
+        if empty:
+            raise ValueError(f"input[{empty[0]}] is an empty string; every text to embed must be non-empty")
+        return texts
+
+
+class CompletionBody(_SamplingFields):
+    prompt: Annotated[str | list[int], BeforeValidator(_single_prompt)]
+    stream: NotStreamed = None
+    max_tokens: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool | None = None  # the prompt's text before each choice's text
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """A valid line, ready for `LLM.generate`."""
+
+    custom_id: str
+    url: Endpoint
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    echo_text: str | None = None  # completions' echo: the prompt as text, put before each choice's text
+    # /v1/responses: what the response object repeats of its request (`ResponsesBody.echoed`)
+    response_fields: Mapping[str, Any] | None = None
+    tool_calls: ToolCallPlan | None = None  # tools are on: look for calls in the output
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """A valid /v1/embeddings line, ready for `embedding_records`."""
+
+    custom_id: str
+    texts: list[str]
+    encoding_format: EncodingFormat
+    dimensions: int | None

@@ -1,0 +1,139 @@
+"""OpenAI response bodies and the Batch output line that carries one (or an error)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from jobs.openai_format.tool_calls import ToolCall
+
+from jobs.openai_format.responses_api import ResponseObject
+
+ErrorCode = Literal[
+    "invalid_json_line",  # not JSON, or not a JSON object
+    "invalid_custom_id",  # missing, not a string, or empty
+    "duplicate_custom_id",
+    "invalid_method",
+    "invalid_url",  # not an endpoint conveyor serves
+    "mismatched_endpoint",  # a served endpoint, but not the one the batch was created for
+    "invalid_body",  # body missing or not shaped like the endpoint's request
+    "invalid_parameter",  # well-typed but out of range or contradictory
+    "invalid_json_schema",  # response_format / guided_json / a tool's parameters: not valid JSON Schema
+    "unsupported_json_schema",  # valid JSON Schema using a keyword constrained decoding cannot enforce
+    "context_length_exceeded",
+    "model_not_found",  # the line names a model the deployment does not serve (after aliases), or not the batch's
+    "request_too_large",  # over the deployment's admission limits (engine/admission.py), or a line over the byte limit
+    "invalid_line",  # a line that broke the reader itself (nested too deeply, not valid Unicode)
+    "generation_failed",  # the engine failed while running this request (an engine step that blamed it)
+    "generation_aborted",
+    "batch_expired",  # the batch's completion window ended before this request ran to the end
+]
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens read from the engine's prefix cache instead of computed
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: calls is None)  # as OpenAI: absent, not null
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]  # character offset of each token in the choice's text
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of the little-endian float32 bytes (encoding_format="base64")
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+class BatchResponse(BaseModel):
+    status_code: int
+    request_id: str
+    body: ChatCompletion | TextCompletion | EmbeddingList | ResponseObject
+
+
+class BatchError(BaseModel):
+    code: ErrorCode
+    message: str
+
+
+class BatchOutputLine(BaseModel):
+    id: str
+    custom_id: str | None
+    response: BatchResponse | None
+    error: BatchError | None

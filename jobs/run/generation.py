@@ -1,0 +1,95 @@
+"""The generation kind: OpenAI batch lines for `/v1/chat/completions` and `/v1/completions`, run by the engine.
+
+Every line of a chunk is submitted to the worker's `EngineLoop` at once, beside the other run_chunk threads'
+requests, so the engine's running batch stays full across chunk, batch and tenant boundaries; then the chunk waits
+for all of them, reading its batch's stop flag every `STOP_POLL_SECONDS` and aborting its unfinished requests in
+the engine when the batch is cancelled or expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+from concurrent.futures import wait
+from typing import TYPE_CHECKING
+
+from jobs.models import Batch
+from jobs.openai_format.records import error_record, response_record
+from jobs.openai_format.requests import BatchRequest
+from jobs.openai_format.responses import BatchOutputLine
+from jobs.openai_format.validation import LineError
+from jobs.run.kinds import ChunkResult, EngineHandle
+from jobs.run.openai_lines import OpenAILinesKind, expired_record, records_result
+from jobs.run.split import LineNumber
+from jobs.stop_flags import StopFlags, StopReason
+from jobs.storage import ObjectStore
+
+if TYPE_CHECKING:  # the API process imports no engine (nor torch)
+    from engine.engine_loop import RequestHandle
+
+log = logging.getLogger(__name__)
+
+# How often a chunk waiting on the engine looks at its batch's stop flag: a cancel reaches the engine this fast.
+STOP_POLL_SECONDS = 0.5
+
+
+class GenerationKind(OpenAILinesKind):
+    def __init__(self, engine: EngineHandle, store: ObjectStore, stop_flags: StopFlags, per_chunk: int) -> None:
+        super().__init__(engine, store, per_chunk)
+        self.stop_flags = stop_flags
+
+    def run_chunk(self, batch: Batch, chunk_index: int, lines: Sequence[tuple[LineNumber, bytes]]) -> ChunkResult:
+        records, requests = self.checked_lines(batch, lines)
+        run_id = secrets.token_hex(4)  # keeps engine request ids unique should a lapsed lease let this chunk run twice
+        submitted: list[tuple[BatchRequest, RequestHandle]] = []
+        for line_number, request in requests:
+            assert isinstance(request, BatchRequest)  # the batch's endpoint generates
+            handle = self.engine.loop.submit(
+                request.prompt_token_ids,
+                request.sampling_params,
+                request_id=f"{batch.id}/{chunk_index}/{line_number}/{run_id}",
+                priority=batch.priority,
+            )
+            submitted.append((request, handle))
+        records += self._generation_records(batch.id, batch.model or self.engine.model_name, submitted)
+        return records_result(records)
+
+    def _generation_records(
+        self, batch_id: str, model: str, submitted: list[tuple[BatchRequest, RequestHandle]]
+    ) -> list[BatchOutputLine]:
+        """The records of the requests submitted to the engine, once all have finished or the batch was stopped."""
+        stopped = self._await_or_abort(batch_id, [handle for _, handle in submitted])
+        records: list[BatchOutputLine] = []
+        for request, handle in submitted:
+            try:
+                result = handle.result()
+            except ValueError as refused:  # the engine refused the request itself; only this line fails
+                records.append(error_record(LineError(request.custom_id, "invalid_parameter", str(refused))))
+                continue
+            except Exception as failed:  # a step that failed blamed this request (engine/admission.StepFailed)
+                records.append(error_record(LineError(request.custom_id, "generation_failed", str(failed))))
+                continue
+            if stopped is not None and any(sample.finish_reason == "abort" for sample in result.outputs):
+                if stopped == StopReason.expired:  # when cancelled, as OpenAI: only what finished is reported
+                    records.append(expired_record(request.custom_id))
+                continue
+            records.append(
+                response_record(request, result, model=model, tokenizer=self.engine.tokenizer)
+            )
+        return records
+
+    def _await_or_abort(self, batch_id: str, handles: list[RequestHandle]) -> StopReason | None:
+        """Wait for every request; if the batch is stopped meanwhile, abort the unfinished ones in the engine
+        and return why. The aborted requests' handles then hold outputs with finish_reason 'abort'."""
+        unfinished = {handle.future: handle for handle in handles}
+        while unfinished:
+            _, still_running = wait(unfinished, timeout=STOP_POLL_SECONDS)
+            unfinished = {future: unfinished[future] for future in still_running}
+            if unfinished and (reason := self.stop_flags.reason(batch_id)) is not None:
+                for handle in unfinished.values():
+                    self.engine.loop.abort(handle.request_id)
+                wait(unfinished)
+                log.info("batch %s %s: aborted %d requests in the engine", batch_id, reason.value, len(unfinished))
+                return reason
+        return None

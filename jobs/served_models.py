@@ -1,0 +1,142 @@
+"""The models a deployment serves: what each worker announces, what `/v1/models` lists, what a line's `model` means.
+
+A worker serves one generation model under the names `CONVEYOR_SERVED_MODEL_NAMES` gives it (default: the model's
+own name), and its embedding model under that model's name. The first name is the model's id: the Celery queue its
+chunks go to (`model_queue`) and the `model` of the batches it runs. Workers announce what they serve in a Redis hash
+(`ModelRegistry`), which the API lists and the validating worker consults. OpenAI's names reach a local model only
+through aliases an operator wrote down (`CONVEYOR_MODEL_ALIASES`), never by guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from redis import Redis
+
+ModelKind = Literal["generation", "embedding"]
+OWNED_BY = "conveyor"  # OpenAI's `owned_by`: who provides the model, here the deployment itself
+UNROUTED_QUEUE = "gpu"  # chunks of jobs bound to no named model (RAG jobs): any worker takes them
+
+
+def model_queue(model_id: str) -> str:
+    """The Celery queue of one served model's work."""
+    return f"gpu.{model_id}"
+
+
+def parse_names(raw: str) -> list[str]:
+    """A comma-separated list of names, blanks dropped."""
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def parse_aliases(raw: str) -> dict[str, str]:
+    """`CONVEYOR_MODEL_ALIASES`: a JSON object {"gpt-4o-mini": "smollm2-135m-instruct"} or `alias=served` pairs
+    separated by commas."""
+    text = raw.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        aliases = json.loads(text)
+        if not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
+            raise ValueError("CONVEYOR_MODEL_ALIASES as JSON must map names to names")
+        return aliases
+    pairs = [pair.split("=", 1) for pair in parse_names(text)]
+    if any(len(pair) != 2 or not pair[0].strip() or not pair[1].strip() for pair in pairs):
+        raise ValueError(f"CONVEYOR_MODEL_ALIASES must be 'alias=served,...' pairs or a JSON object, got {raw!r}")
+    return {alias.strip(): served.strip() for alias, served in pairs}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model as a worker announces it: its id, every name it answers to, and OpenAI's model fields."""
+
+    id: str
+    names: tuple[str, ...]
+    kind: ModelKind
+    created: int  # unix seconds the first worker serving it announced it
+
+
+class ModelNames:
+    """Resolves the name a line gives to the id of a model served, through the operator's aliases."""
+
+    def __init__(self, served: list[ServedModel], aliases: dict[str, str]) -> None:
+        self._models = {name: model for model in served for name in model.names}
+        self._aliases = aliases
+
+    def resolve(self, name: str, kind: ModelKind) -> str | None:
+        """The id of the `kind` model `name` means, or None when no such model is served."""
+        model = self._models.get(self._aliases.get(name, name))
+        return model.id if model is not None and model.kind == kind else None
+
+
+def listed_names(served: list[ServedModel], aliases: dict[str, str]) -> dict[str, ServedModel]:
+    """Every name a line may put in `model`, to the model that answers it: ids, further names, aliases."""
+    by_name = {name: model for model in served for name in model.names}
+    by_alias = {alias: by_name[target] for alias, target in aliases.items() if target in by_name}
+    return {**by_name, **by_alias}
+
+
+class ModelRegistry:
+    """The deployment's served models, in one Redis hash: model id -> its announcement (JSON)."""
+
+    def __init__(self, redis: Redis, prefix: str) -> None:
+        self._redis = redis
+        self._key = f"{prefix}served_models"
+
+    def announce(self, models: list[ServedModel]) -> None:
+        for model in models:
+            # The first announcement's time stays: `created` is when the deployment started serving the model.
+            known = self._redis.hget(self._key, model.id)
+            created = json.loads(known)["created"] if known else model.created
+            self._redis.hset(self._key, model.id, json.dumps({**asdict(model), "created": created}))
+
+    def served(self) -> list[ServedModel]:
+        entries = self._redis.hgetall(self._key)
+        models = []
+        for raw in entries.values():
+            fields = json.loads(raw)
+            models.append(ServedModel(fields["id"], tuple(fields["names"]), fields["kind"], fields["created"]))
+        return sorted(models, key=lambda model: model.id)
+
+
+def process_models(generation_names: list[str], embedding_model: str) -> list[ServedModel]:
+    """What one process serves: its generation model under its names, and its embedding model."""
+    created = int(time.time())
+    return [
+        ServedModel(generation_names[0], tuple(generation_names), "generation", created),
+        ServedModel(embedding_model, (embedding_model,), "embedding", created),
+    ]
+
+
+@dataclass(frozen=True)
+class WorkerModels:
+    """What one worker serves, beside the registry of what the whole deployment serves."""
+
+    served: list[ServedModel]
+    registry: ModelRegistry
+    aliases: dict[str, str]
+
+    @property
+    def names(self) -> ModelNames:
+        return ModelNames(self.served, self.aliases)
+
+    def default(self, kind: ModelKind) -> str:
+        return next(model.id for model in self.served if model.kind == kind)
+
+    def queues(self) -> list[str]:
+        return [model_queue(model.id) for model in self.served]
+
+    def batch_model(self, first_line_model: str | None, kind: ModelKind) -> str:
+        """A batch's model, from the name its first line gives: the served id it resolves to anywhere in the
+        deployment, the name itself when nobody serves it, this worker's own model when the line names none."""
+        if first_line_model is None:
+            return self.default(kind)
+        deployment = ModelNames([*self.served, *self.registry.served()], self.aliases)
+        return deployment.resolve(first_line_model, kind) or first_line_model
+
+    def served_elsewhere(self, model_id: str) -> bool:
+        """Whether another worker must read this model's batches: it serves the model and this one does not."""
+        here = {model.id for model in self.served}
+        return model_id not in here and any(model.id == model_id for model in self.registry.served())

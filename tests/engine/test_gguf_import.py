@@ -1,0 +1,282 @@
+"""GGUF import: a Llama-3.1-style model (llama3 RoPE scaling, which llama.cpp stores as the `rope_freqs`
+tensor) written by the `gguf` package the way llama.cpp's converter writes it, read back and generating
+what the transformers model it was written from generates; precision kept (F32 stays F32, quantized
+becomes bf16, never f32); RoPE scaling types read from the file; converter version in the cache key."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from tokenizers import pre_tokenizers
+
+from engine import LLM, SamplingParams
+from engine.gguf_import import CONVERTER_VERSION, convert_gguf_to_hf_folder
+from engine.model_registry import _gguf_cache_key
+from engine.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+def _llama_cpp_rope_freqs(theta: float, head_dim: int, scaling: dict) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py writes as rope_freqs for a llama3-scaled model: per frequency,
+    the number its inverse frequency is divided by."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelength = 2 * math.pi / freq
+        if wavelength < context / high:
+            divisors.append(1.0)
+        elif wavelength > context / low:
+            divisors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's reordering of q/k rows for its `llama` architecture."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, weights.shape[1]).swapaxes(1, 2).reshape(
+        weights.shape)
+
+
+# Hugging Face module -> llama.cpp tensor, per GGUF architecture (what convert_hf_to_gguf.py writes).
+_LLAMA_CPP_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+}
+_GEMMA_NAMES = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+# A SentencePiece vocabulary: pieces with scores (higher merges first), byte fallback tokens, and a run of
+# spaces stored as spaces (as Gemma's files do).
+_PIECES = {"▁": -1.0, "t": -2.0, "h": -3.0, "e": -4.0, "▁t": -5.0, "he": -6.0, "▁the": -7.0, "1": -8.0,
+           "2": -9.0, "12": -10.0, "▁1": -11.0, "  ": -12.0, "▁▁": -13.0, "▁h": -14.0}
+
+
+def _write_vocabulary(writer: gguf.GGUFWriter, size: int, sentencepiece: bool) -> None:
+    if sentencepiece:
+        tokens = ["<unk>", "<s>", "</s>", *(f"<0x{byte:02X}>" for byte in range(256)), *_PIECES]
+        fillers = [f"x{i}" for i in range(size - len(tokens))]
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens + fillers)
+        writer.add_token_scores([0.0] * 259 + list(_PIECES.values()) + [-100.0 - i for i in range(len(fillers))])
+        writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (size - 259))
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_add_bos_token(True)
+        return
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = ["<s>", "</s>", *alphabet, "Ġt"] + [f"x{i}" for i in range(size - 3 - len(alphabet))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+
+
+def _write_gguf_from_hf(
+    model, path: Path, arch: str = "llama", quantize_matrices: bool = False, sentencepiece: bool = False
+) -> None:
+    """The model as llama.cpp's converter writes it: q/k rows permuted for `llama`, Gemma's norms stored
+    as (1 + weight), Phi-3's fused projections kept, float32 tensors (or Q8_0 matrices)."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    theta = config.rope_parameters.get("rope_theta") or config.rope_parameters["full_attention"]["rope_theta"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer.add_key_length(head_dim)
+    writer.add_rope_freq_base(theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "sliding_window", None) and arch != "qwen2":
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    _write_vocabulary(writer, config.vocab_size, sentencepiece)
+    if arch == "llama":
+        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(theta, head_dim, LLAMA3_SCALING))
+    names = _GEMMA_NAMES if arch.startswith("gemma") else _LLAMA_CPP_NAMES
+    for name, tensor in model.state_dict().items():
+        weights = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if config.tie_word_embeddings:
+                continue
+            gguf_name = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, _, leaf = rest.rpartition(".")
+            gguf_name = f"blk.{layer}.{names[module]}.{leaf}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                weights = _permute(weights, heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                weights = _permute(weights, kv_heads)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            weights = weights + 1
+        if quantize_matrices and weights.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(weights))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=1, eos_token_id=None)
+        expected.append(out[0, len(prompt):].tolist())
+    return expected
+
+
+def _random_weights(model):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.15)
+            elif model.config.model_type.startswith("gemma"):
+                param.normal_(0.0, 0.1)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def llama31():
+    """A tiny random Llama with Llama 3.1's RoPE scaling (original context 64, so it matters at test lengths)."""
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=10000.0, rope_scaling=dict(LLAMA3_SCALING), bos_token_id=0, eos_token_id=1,
+    )
+    return _random_weights(transformers.LlamaForCausalLM(config))
+
+
+PROMPTS = [[random.Random(length).randrange(2, 300) for _ in range(length)] for length in (5, 40, 90)]
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path, monkeypatch):
+    """Converted folders go to the test's own cache, not the user's."""
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_gguf_with_rope_freqs_matches_transformers(llama31, tmp_path):
+    path = tmp_path / "llama31.gguf"
+    _write_gguf_from_hf(llama31, path)
+    expected = _hf_generate(llama31, PROMPTS, 30)
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    scaling = llm.engine.model_config.rope_scaling
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == 8.0
+
+
+def _family(arch: str):
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=0,
+                  eos_token_id=1, pad_token_id=1)
+    if arch == "qwen2":  # q/k/v biases
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=10000.0))
+    if arch == "phi3":  # fused qkv and gate/up, windowed
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, sliding_window=12, rope_theta=10000.0))
+    # Gemma 2: (1 + weight) norms, four norms a layer, soft-capping, alternating windows; the query scale
+    # llama.cpp assumes (head_dim, as every Gemma but the 27B models has)
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **common, head_dim=16, query_pre_attn_scalar=16, sliding_window=12, attn_logit_softcapping=2.0,
+        final_logit_softcapping=6.0))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "phi3", "gemma2"])
+def test_gguf_family_layouts_match_transformers(arch, tmp_path):
+    model = _random_weights(_family(arch))
+    path = tmp_path / f"{arch}.gguf"
+    _write_gguf_from_hf(model, path, arch)
+    reference = transformers.AutoModelForCausalLM.from_config(model.config, attn_implementation="eager")
+    reference.load_state_dict(model.state_dict())
+    expected = _hf_generate(reference.float().eval(), PROMPTS, 20)
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    assert llm.engine.model_config.architecture == type(model).__name__
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+
+
+def test_gguf_keeps_float_precision_and_dequantizes_to_bf16(llama31, tmp_path):
+    path = tmp_path / "q8.gguf"
+    _write_gguf_from_hf(llama31, path, quantize_matrices=True)
+    convert_gguf_to_hf_folder(path, tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as checkpoint:
+        dtypes = {name: checkpoint.get_tensor(name).dtype for name in checkpoint.keys()}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16  # Q8_0 in the file
+    assert dtypes["model.norm.weight"] == torch.float32  # F32 in the file
+    assert "rope_freqs.weight" not in dtypes and torch.float32 not in {
+        dtype for name, dtype in dtypes.items() if not name.endswith("norm.weight")}
+
+
+@pytest.mark.parametrize(("kind", "extra", "expected"), [
+    ("linear", {}, {"rope_type": "linear", "factor": 4.0}),
+    ("yarn", {"llama.rope.scaling.original_context_length": 128},
+     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+])
+def test_gguf_rope_scaling_types_are_read(llama31, tmp_path, kind, extra, expected):
+    from engine.gguf_import import _rope_scaling
+
+    metadata = {"llama.rope.scaling.type": kind, "llama.rope.scaling.factor": 4.0, **extra}
+    assert _rope_scaling("llama", metadata, {}, 16) == expected
+
+
+def test_converter_version_is_in_the_cache_key(tmp_path, monkeypatch):
+    path = tmp_path / "any.gguf"
+    path.write_bytes(b"GGUF")
+    key = _gguf_cache_key(path)
+    monkeypatch.setattr("engine.model_registry.CONVERTER_VERSION", CONVERTER_VERSION + 1)
+    assert _gguf_cache_key(path) != key
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma2"])
+def test_gguf_sentencepiece_tokenizer_matches_transformers(arch, tmp_path):
+    """Each family's leading-space rule, merges rebuilt from scores (Gemma: from file order), byte fallback,
+    Gemma's stored runs of spaces, against transformers' own GGUF tokenizer."""
+    model = _random_weights(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        rope_theta=10000.0, rope_scaling=dict(LLAMA3_SCALING))) if arch == "llama" else _family(arch))
+    _write_gguf_from_hf(model, tmp_path / "spm.gguf", arch, sentencepiece=True)
+    convert_gguf_to_hf_folder(tmp_path / "spm.gguf", tmp_path / "out")
+    ours = Tokenizer.from_folder(tmp_path / "out")
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    for text in ["the the 12 1 x", "  the\n\nthe's 日本", "</s>the<s>", "hthe  he"]:
+        assert ours.encode(text) == reference.encode(text), text
+        assert ours.decode(ours.encode(text), skip_special_tokens=True) == reference.decode(
+            reference.encode(text), skip_special_tokens=True), text

@@ -1,0 +1,80 @@
+"""What ModelConfig reads from config.json for the families beyond Llama: per-layer windows as
+transformers assigns them, Gemma's fields, RoPE scaling (checked against transformers' own tables),
+and the refusal of quantized checkpoints and of RoPE types the engine lacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import DECODER_ARCHITECTURES, ModelConfig
+from engine.model_registry import DUMMY_SHAPES
+from engine.models import MODEL_CLASSES
+from engine.models.llama import rope_attention_factor, rope_inverse_frequencies
+
+BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def config(architecture: str, **fields) -> ModelConfig:
+    return ModelConfig.from_hf({**BASE, "architectures": [architecture], **fields})
+
+
+def test_every_architecture_has_a_model_class():
+    assert set(MODEL_CLASSES) == set(DECODER_ARCHITECTURES)
+
+
+def test_layer_windows_follow_transformers():
+    assert config("MistralForCausalLM", sliding_window=8).layer_windows == (8,) * 6
+    assert config("MistralForCausalLM", sliding_window=None).uniform_window is None
+    assert config("Phi3ForCausalLM", sliding_window=8).uniform_window == 8
+    # Qwen2/3: only with use_sliding_window, and only from max_window_layers on
+    assert config("Qwen2ForCausalLM", sliding_window=8, max_window_layers=2).layer_windows == (None,) * 6
+    qwen = config("Qwen2ForCausalLM", sliding_window=8, use_sliding_window=True, max_window_layers=4)
+    assert qwen.layer_windows == (None,) * 4 + (8, 8) and qwen.uniform_window is None
+    assert config("Gemma2ForCausalLM", sliding_window=8).layer_windows == (8, None) * 3
+    assert config("Gemma3ForCausalLM", sliding_window=8).layer_windows == (8,) * 5 + (None,)
+    types = ["full_attention", "sliding_attention"] * 3
+    assert config("Gemma3ForCausalLM", sliding_window=8, layer_types=types).layer_windows == (None, 8) * 3
+    assert config("LlamaForCausalLM", sliding_window=8).uniform_window is None  # Llama has no window
+
+
+def test_gemma_fields():
+    gemma = ModelConfig.from_hf(DUMMY_SHAPES["gemma-2-9b"])
+    assert (gemma.query_pre_attn_scalar, gemma.attn_logit_softcapping, gemma.final_logit_softcapping) == (256, 50.0, 30.0)
+    assert gemma.hidden_activation == "gelu_tanh" and gemma.tie_word_embeddings and not gemma.qk_norm
+    gemma3 = ModelConfig.from_hf(DUMMY_SHAPES["gemma-3-12b"])
+    assert gemma3.qk_norm and (gemma3.rope_theta, gemma3.local_rope_theta) == (1e6, 1e4)
+    nested = config("Gemma3ForCausalLM", rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    assert (nested.rope_theta, nested.local_rope_theta, nested.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors"])
+def test_quantized_checkpoints_are_refused_by_name(method):
+    with pytest.raises(ValueError, match=rf"quant_method='{method}'.*supported quantization methods: none"):
+        config("LlamaForCausalLM", quantization_config={"quant_method": method, "bits": 4})
+
+
+def test_longrope_is_refused_clearly():
+    phi = config("Phi3ForCausalLM", rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]})
+    with pytest.raises(ValueError, match="longrope"):
+        rope_inverse_frequencies(phi.head_dim, phi.rope_theta, phi.rope_scaling)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2},
+])
+def test_rope_scaling_matches_transformers(scaling):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = transformers.LlamaConfig(**BASE, max_position_embeddings=256, rope_theta=10000.0, rope_scaling=dict(scaling))
+    expected, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
+    torch.testing.assert_close(rope_inverse_frequencies(16, 10000.0, scaling), expected, rtol=1e-6, atol=0)
+    assert rope_attention_factor(scaling) == pytest.approx(attention_factor)

@@ -1,0 +1,140 @@
+"""The job kinds (`jobs.run.kinds`) on their own: each turns a chunk's accepted lines into a `ChunkResult`, with the
+real SmolLM2 engine, the real embedding model, Redis stop flags and S3, and no pipeline, Celery or database."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from redis import Redis
+
+from engine.embedder import Embedder
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
+from jobs.lazy_embedder import LazyEmbedder
+from jobs.models import Batch
+from jobs.object_keys import chunk_output_key
+from jobs.rag.kind import RagKind
+from jobs.run.embeddings import EmbeddingsKind
+from jobs.run.generation import GenerationKind
+from jobs.run.kinds import EngineHandle, FinishedChunks
+from jobs.served_models import ModelNames, process_models
+from jobs.settings import S3Settings, Settings
+from jobs.stop_flags import StopFlags, StopReason
+from jobs.storage import ObjectStore
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 and the embedding model
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[EngineHandle]:
+    loop = EngineLoop.build(lambda: LLMEngine(DEFAULT_MODEL, dtype="float32", device="cpu"))
+    assert loop.engine.tokenizer is not None
+    served = ModelNames(process_models([loop.engine.model_name], DEFAULT_EMBEDDING_MODEL), {})
+    yield EngineHandle(
+        loop,
+        loop.engine.tokenizer,
+        loop.engine.max_model_len,
+        loop.engine.model_name,
+        served,
+        loop.engine.admission_limits,
+    )
+    loop.stop()
+
+
+@pytest.fixture
+def stop_flags() -> Iterator[StopFlags]:
+    redis = Redis.from_url("redis://127.0.0.1:6379/0")
+    yield StopFlags(redis, f"test-kinds-{secrets.token_hex(4)}:")
+    redis.close()
+
+
+def batch(endpoint: str, project_id: str = "proj_kinds") -> Batch:
+    return Batch(id=f"batch_{secrets.token_hex(6)}", project_id=project_id, endpoint=endpoint, priority=0)
+
+
+def line(custom_id: str, url: str, body: dict[str, Any]) -> bytes:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}).encode()
+
+
+def jsonl(data: bytes) -> list[dict[str, Any]]:
+    return [json.loads(row) for row in data.splitlines()]
+
+
+def test_generation_answers_every_line(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
+    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10)
+    job = batch("/v1/completions")
+    lines = [
+        (1, line("a", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "The capital of France is", "max_tokens": 4})),
+        (3, line("b", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "One, two,", "max_tokens": 3, "temperature": 0})),
+    ]
+    result = kind.run_chunk(job, 0, lines)
+    assert (result.completed, result.failed, result.errors) == (2, 0, b"")
+    answers = jsonl(result.output)
+    assert [answer["custom_id"] for answer in answers] == ["a", "b"]
+    assert answers[1]["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+def test_generation_checks_lines_for_validate(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
+    lines = GenerationKind(engine, object_store, stop_flags, per_chunk=10).input_lines(batch("/v1/completions"))
+    assert lines.per_chunk == 10
+    assert lines.check(1, line("a", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "hi"})) is None
+    rejected = lines.check(2, line("a", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "hi"}))
+    assert rejected is not None and rejected.message.startswith("line 2: ") and not rejected.not_json
+    assert json.loads(rejected.record)["error"]["code"] == "duplicate_custom_id"
+    not_json = lines.check(3, b"not json")
+    assert not_json is not None and not_json.not_json
+    expired = json.loads(lines.expired_record(line("z", "/v1/completions", {"prompt": "hi"})))
+    assert expired["custom_id"] == "z" and expired["error"]["code"] == "batch_expired"
+
+
+def test_generation_stops_on_the_batch_flag(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
+    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10)
+    job = batch("/v1/completions")
+    stop_flags.raise_flag(job.id, StopReason.expired)
+    body = {"model": DEFAULT_MODEL, "prompt": "Write a long story about a lighthouse.", "max_tokens": 400, "ignore_eos": True}
+    result = kind.run_chunk(job, 0, [(1, line("long", "/v1/completions", body))])
+    assert (result.completed, result.failed, result.output) == (0, 1, b"")
+    assert jsonl(result.errors)[0]["error"]["code"] == "batch_expired"
+
+
+def test_embeddings_answer_a_chunk_in_one_call(engine: EngineHandle, object_store: ObjectStore) -> None:
+    embedder = LazyEmbedder(DEFAULT_EMBEDDING_MODEL, lambda: Embedder(DEFAULT_EMBEDDING_MODEL, dtype="float32", device="cpu"))
+    kind = EmbeddingsKind(engine, object_store, embedder, per_chunk=10)
+    body = {"model": DEFAULT_EMBEDDING_MODEL, "input": ["a lighthouse", "a harbour"]}
+    bad = {"model": DEFAULT_EMBEDDING_MODEL, "input": ["x"], "dimensions": 7}  # not the model's dimension: only this line fails
+    result = kind.run_chunk(
+        batch("/v1/embeddings"), 0, [(1, line("e", "/v1/embeddings", body)), (2, line("f", "/v1/embeddings", bad))]
+    )
+    assert (result.completed, result.failed) == (1, 1)
+    assert len(jsonl(result.output)[0]["response"]["body"]["data"]) == 2
+
+
+def test_openai_outputs_compose_into_one_file(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
+    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10)
+    job = batch("/v1/completions")
+    keys = [chunk_output_key(job.id, index) for index in range(2)]
+    object_store.put_bytes(keys[0], b'{"custom_id": "a"}\n')
+    object_store.put_bytes(keys[1], b'{"custom_id": "b"}\n')
+    file = kind.output_file(FinishedChunks(job, keys, stop_reason=None), f"file-{secrets.token_hex(6)}")
+    assert file.filename == f"{job.id}_output.jsonl" and file.bytes == 38
+    assert object_store.read_bytes(file.object_key) == b'{"custom_id": "a"}\n{"custom_id": "b"}\n'
+    assert kind.report_files(FinishedChunks(job, keys, None), failed=0, output_file_id=file.id, error_file_id=None) == []
+
+
+def test_rag_lines_are_documents_of_the_projects_inbox(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
+    settings = Settings(s3=S3Settings(bucket="docs"), rag_documents_per_chunk=4)
+    embedder = LazyEmbedder(DEFAULT_EMBEDDING_MODEL, lambda: Embedder(DEFAULT_EMBEDDING_MODEL))
+    kind = RagKind(settings=settings, store=object_store, stop_flags=stop_flags, engine=engine, embedder=embedder)
+    lines = kind.input_lines(batch("/v1/rag/jobs", project_id="proj_a"))
+    assert lines.per_chunk == 4
+    assert lines.check(1, b'{"id": "d1", "text": "hello"}') is None
+    assert lines.check(2, b'{"id": "d2", "uri": "s3://docs/inbox/proj_a/notes.md"}') is None
+    repeated = lines.check(3, b'{"id": "d1", "text": "again"}')
+    assert repeated is not None and json.loads(repeated.record)["error"]["code"] == "duplicate_document_id"
+    outside = lines.check(4, b'{"id": "d3", "uri": "s3://docs/inbox/proj_b/notes.md"}')
+    assert outside is not None and json.loads(outside.record)["error"]["code"] == "uri_outside_inbox"

@@ -1,0 +1,67 @@
+"""Served models: a line's `model` is answered only by a model served under that name or an explicit alias."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import pytest
+from redis import Redis
+
+from jobs.openai_format.validation import BatchLineValidator
+from jobs.served_models import ModelNames, ModelRegistry, WorkerModels, listed_names, parse_aliases, process_models
+from tests.jobs.test_openai_format import SERVED, WordTokenizer, chat_line, validator
+
+
+def test_aliases_read_as_pairs_or_json_and_refuse_anything_else() -> None:
+    assert parse_aliases("") == {}
+    assert parse_aliases("gpt-4o-mini=smollm2, gpt-4o = smollm2") == {"gpt-4o-mini": "smollm2", "gpt-4o": "smollm2"}
+    assert parse_aliases('{"gpt-4o-mini": "smollm2"}') == {"gpt-4o-mini": "smollm2"}
+    with pytest.raises(ValueError, match="alias=served"):
+        parse_aliases("gpt-4o-mini")
+
+
+def test_names_resolve_by_kind_through_aliases_only() -> None:
+    assert SERVED.resolve("smollm2-135m-instruct", "generation") == "smollm2"
+    assert SERVED.resolve("gpt-4o-mini", "generation") == "smollm2"
+    assert SERVED.resolve("gpt-4o", "generation") is None  # no implicit mapping
+    assert SERVED.resolve("smollm2", "embedding") is None  # a generation model does not embed
+    assert SERVED.resolve("text-embedding-3-small", "embedding") == "all-minilm-l6-v2"
+
+
+@pytest.mark.parametrize("model", ["llama-3-70b-instruct", "all-minilm-l6-v2"])
+def test_a_line_naming_a_model_not_served_fails_with_model_not_found(model: str) -> None:
+    error = validator().validate(chat_line(model=model))
+    assert error.code == "model_not_found" and model in error.message  # type: ignore[union-attr]
+
+
+def test_a_batch_runs_the_one_model_its_first_line_names() -> None:
+    models = ModelNames(process_models(["a"], "e") + process_models(["b"], "e"), {})
+    lines = BatchLineValidator(WordTokenizer(), 64, models=models, batch_model="a")
+    assert lines.validate(chat_line("1", model="a")).custom_id == "1"
+    assert lines.validate(chat_line("2")).custom_id == "2"  # no model: the batch's
+    error = lines.validate(chat_line("3", model="b"))
+    assert error.code == "model_not_found" and "a batch runs one model" in error.message  # type: ignore[union-attr]
+
+
+def test_the_registry_lists_every_worker_model_and_routes_validation_to_its_workers() -> None:
+    redis = Redis.from_url("redis://127.0.0.1:6379/0")
+    prefix = f"test-{secrets.token_hex(4)}:"
+    try:
+        registry = ModelRegistry(redis, prefix)
+        here = WorkerModels(process_models(["smollm2"], "all-minilm-l6-v2"), registry, {"gpt-4o-mini": "tiny"})
+        registry.announce(here.served)
+        registry.announce(process_models(["tiny", "tiny-llama"], "all-minilm-l6-v2"))
+        assert [model.id for model in registry.served()] == ["all-minilm-l6-v2", "smollm2", "tiny"]
+        assert here.batch_model("gpt-4o-mini", "generation") == "tiny"
+        assert here.batch_model("tiny-llama", "generation") == "tiny"
+        assert here.batch_model("unknown", "generation") == "unknown"
+        assert here.batch_model(None, "generation") == "smollm2"
+        assert here.served_elsewhere("tiny") and not here.served_elsewhere("smollm2")
+        assert not here.served_elsewhere("unknown")
+        assert here.queues() == ["gpu.smollm2", "gpu.all-minilm-l6-v2"]
+        names = listed_names(registry.served(), {"gpt-4o-mini": "tiny", "dangling": "nobody"})
+        assert sorted(names) == ["all-minilm-l6-v2", "gpt-4o-mini", "smollm2", "tiny", "tiny-llama"]
+        assert json.loads(redis.hget(f"{prefix}served_models", "tiny"))["kind"] == "generation"
+    finally:
+        redis.delete(f"{prefix}served_models")
