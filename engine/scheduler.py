@@ -251,6 +251,11 @@ class Scheduler:
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if seq.num_uncomputed_tokens == 0:
+                # A beam parked in the host pool until its siblings compute: swapping it in would
+                # only take the blocks they need (and be swapped out again). It returns once its
+                # request advances and it has a token to compute.
+                continue
             num_new = self._admit(seq, budget, swap_in, releasable)
             if num_new is None:
                 passed_over = True
