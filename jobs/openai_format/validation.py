@@ -62,13 +62,8 @@ from jobs.openai_format.requests import (
 from jobs.openai_format.responses import ErrorCode
 from jobs.openai_format.responses_api import ResponsesBody
 from jobs.openai_format.structured_output import ConstraintRejected
-from jobs.openai_format.tool_calls import (
-    Tool,
-    generic_tool_prompt,
-    plan_tool_calls,
-    template_messages,
-    template_renders_tools,
-)
+from jobs.openai_format.tool_calls import Tool, generic_tool_prompt, plan_tool_calls, template_messages
+from jobs.openai_format.tool_syntax import HERMES, detect_call_syntax
 from jobs.served_models import ModelKind, ModelNames
 
 log = logging.getLogger(__name__)
@@ -117,6 +112,8 @@ class BatchLineValidator:
         self._models = models
         self._batch_model = batch_model
         self._limits = limits
+        # The template's own tool-call syntax, None for the generic format (which writes Hermes' syntax)
+        self._call_syntax = detect_call_syntax(tokenizer.chat_template)
         self._seen_custom_ids: set[str] = set()
 
     def validate(self, line: str | bytes) -> BatchRequest | EmbeddingRequest | LineError:
@@ -164,7 +161,9 @@ class BatchLineValidator:
             if url == CHAT_COMPLETIONS:
                 chat = _parse_body(ChatCompletionBody, body)
                 self._check_model(chat.model, "generation")
-                plan, tool_constraint = plan_tool_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+                plan, tool_constraint = plan_tool_calls(
+                    chat.tools, chat.tool_choice, chat.parallel_tool_calls, self._call_syntax or HERMES
+                )
                 constraint = chat.constraint()
                 if constraint is not None and tool_constraint is not None:
                     raise _LineRejected(
@@ -258,10 +257,9 @@ class BatchLineValidator:
             {**message.model_dump(exclude_none=True), "role": "system" if message.role == "developer" else message.role}
             for message in messages
         ]
-        native = template_renders_tools(self._tokenizer.chat_template)
-        conversation = template_messages(conversation, native)
+        conversation = template_messages(conversation, self._call_syntax)
         template_tools = None
-        if tools and native:
+        if tools and self._call_syntax is not None:
             template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
         elif tools:
             conversation = generic_tool_prompt(conversation, tools)

@@ -126,7 +126,10 @@ def test_tool_choices_become_structural_tags():
     required = check(chat_line(tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False))
     assert isinstance(required, BatchRequest) and required.tool_calls is not None
     tag = required.sampling_params.structured_output.structural_tag["format"]
-    assert tag["type"] == "tags_with_separator" and tag["at_least_one"] and tag["stop_after_first"]
+    assert tag["type"] == "tag"  # one function, one call: exactly that call
+    several = check(chat_line(tools=[WEATHER_TOOL], tool_choice="required"))
+    tags = several.sampling_params.structured_output.structural_tag["format"]
+    assert tags["type"] == "tags_with_separator" and tags["at_least_one"] and not tags["stop_after_first"]
     named = check(chat_line(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     assert named.sampling_params.structured_output.structural_tag["format"]["begin"].endswith(
         '{"name": "get_weather", "arguments": '

@@ -1,10 +1,12 @@
 """Tool calls end to end: the prompt as transformers renders it (tools and tool results included), and
 required / named / auto answers from the engine, on a tiny random Qwen-style checkpoint with Qwen 2.5's
-Hermes tool template and on SmolLM2 (no tool format: the generic one)."""
+Hermes tool template, with the published Llama 3.2/3.3 and Mistral 7B v0.3/Nemo templates (chat_templates/), and on
+SmolLM2 (no tool format: the generic one)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,34 @@ WITH_RESULTS = [
 ]
 
 
+TEMPLATES = Path(__file__).parent / "chat_templates"
+LLAMA_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                "<|python_tag|>"]
+MISTRAL_TOKENS = ["<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
+                  "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+# Llama's templates take one call per assistant turn; Mistral's take ids of 9 letters or digits (others are mapped,
+# tests/jobs/test_tool_syntax.py), given here as they are so that transformers renders the same conversation.
+LLAMA_WITH_RESULTS = [
+    *CONVERSATION,
+    {"role": "assistant", "content": None, "tool_calls": [WITH_RESULTS[2]["tool_calls"][0]]},
+    WITH_RESULTS[3],
+]
+MISTRAL_WITH_RESULTS = [
+    *CONVERSATION,
+    {"role": "assistant", "content": None, "tool_calls": [
+        {**call, "id": call_id} for call, call_id in zip(WITH_RESULTS[2]["tool_calls"], ["a1B2c3D4e", "f5G6h7I8j"])
+    ]},
+    {**WITH_RESULTS[3], "tool_call_id": "a1B2c3D4e"},
+    {**WITH_RESULTS[4], "tool_call_id": "f5G6h7I8j"},
+]
+NATIVE = {  # published template → its (bos, eos) tokens and a conversation with tool results it takes
+    "llama-3.2-3b-instruct": ("<|begin_of_text|>", "<|eot_id|>", LLAMA_WITH_RESULTS),
+    "llama-3.3-70b-instruct": ("<|begin_of_text|>", "<|eot_id|>", LLAMA_WITH_RESULTS),
+    "mistral-7b-instruct-v0.3": ("<s>", "</s>", MISTRAL_WITH_RESULTS),
+    "mistral-nemo-instruct-2407": ("<s>", "</s>", MISTRAL_WITH_RESULTS),
+}
+
+
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory) -> Path:
     """A tiny random Qwen2 checkpoint with a byte-level BPE tokenizer (trained here, < 512 ids) and Qwen 2.5's
@@ -131,6 +161,7 @@ def qwen_folder(tmp_path_factory) -> Path:
     corpus = [QWEN_TEMPLATE, json.dumps(TOOLS), json.dumps(WITH_RESULTS)] * 3
     tokenizer.train_from_iterator(corpus, trainer)
     tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.add_special_tokens(LLAMA_TOKENS + MISTRAL_TOKENS)  # the Llama and Mistral templates' own tokens
     assert tokenizer.get_vocab_size() <= 512
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN_TEMPLATE,
@@ -144,8 +175,10 @@ def chat_body(messages, **options) -> str:
     return json.dumps({"custom_id": "line", "method": "POST", "url": CHAT_COMPLETIONS, "body": body})
 
 
-def run_line(llm: LLM, line: str) -> dict:
-    request = BatchLineValidator(llm.tokenizer, llm.max_model_len, models=SERVED).validate(line)
+def run_line(llm: LLM, line: str, tokenizer: Tokenizer | None = None) -> dict:
+    """The line validated with `tokenizer` (the model's own by default: another one may bring another template), run
+    and answered."""
+    request = BatchLineValidator(tokenizer or llm.tokenizer, llm.max_model_len, models=SERVED).validate(line)
     assert isinstance(request, BatchRequest), request
     result = llm.generate([request.prompt_token_ids], [request.sampling_params], use_tqdm=False)[0]
     record = response_record(request, result, model=llm.model_name, tokenizer=llm.tokenizer)
@@ -166,11 +199,10 @@ def assert_valid_calls(choice: dict, names: set[str], parallel: bool = True) -> 
     return calls
 
 
-@pytest.mark.parametrize("messages", [CONVERSATION, WITH_RESULTS], ids=["question", "with_tool_results"])
-def test_qwen_prompt_equals_transformers(qwen_folder, messages):
+def assert_prompt_equals_transformers(folder: Path, messages: list[dict]) -> str:
     import transformers
 
-    hf = transformers.AutoTokenizer.from_pretrained(qwen_folder)
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
     hf_messages = [
         {**m, "tool_calls": [
             {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
@@ -179,11 +211,41 @@ def test_qwen_prompt_equals_transformers(qwen_folder, messages):
         for m in messages
     ]
     expected = hf.apply_chat_template(hf_messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    assert "<tools>" in expected and ("<tool_response>" in expected) == (messages is WITH_RESULTS)
-    tokenizer = Tokenizer.from_folder(qwen_folder)
+    tokenizer = Tokenizer.from_folder(folder)
     request = BatchLineValidator(tokenizer, 2048, models=SERVED).validate(chat_body(messages))
     assert isinstance(request, BatchRequest), request
     assert request.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    return expected
+
+
+@pytest.mark.parametrize("messages", [CONVERSATION, WITH_RESULTS], ids=["question", "with_tool_results"])
+def test_qwen_prompt_equals_transformers(qwen_folder, messages):
+    expected = assert_prompt_equals_transformers(qwen_folder, messages)
+    assert "<tools>" in expected and ("<tool_response>" in expected) == (messages is WITH_RESULTS)
+
+
+def native_folder(qwen_folder: Path, folder: Path, name: str) -> Path:
+    """The Qwen fixture's tokenizer (it holds the Llama and Mistral tokens) under a published template."""
+    bos, eos, _ = NATIVE[name]
+    folder.mkdir(exist_ok=True)
+    shutil.copy(qwen_folder / "tokenizer.json", folder)
+    config = {"bos_token": bos, "eos_token": eos, "chat_template": (TEMPLATES / f"{name}.jinja").read_text(),
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("with_results", [False, True], ids=["question", "with_tool_results"])
+@pytest.mark.parametrize("name", NATIVE)
+def test_llama_and_mistral_prompts_equal_transformers(qwen_folder, tmp_path, name, with_results):
+    messages = NATIVE[name][2] if with_results else CONVERSATION
+    expected = assert_prompt_equals_transformers(native_folder(qwen_folder, tmp_path / name, name), messages)
+    tools_at = expected.index('"get_weather"')
+    assert ("Environment: ipython" in expected) if name.startswith("llama") else ("[AVAILABLE_TOOLS]" in expected[:tools_at])
+    if with_results:  # the earlier call and its result, in the template's own syntax
+        assert ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}<|eot_id|>' in expected
+                if name.startswith("llama") else '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}, '
+                '"id": "a1B2c3D4e"}' in expected)
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +264,18 @@ def test_qwen_required_named_and_auto(qwen_llm):
         assert_valid_calls(auto, {"get_weather", "get_time"})
     else:
         assert auto["finish_reason"] in ("stop", "length") and isinstance(auto["message"]["content"], str)
+
+
+@pytest.mark.parametrize("name", ["llama-3.3-70b-instruct", "mistral-nemo-instruct-2407"])
+def test_llama_and_mistral_forced_calls_come_back_as_tool_calls(qwen_llm, name):
+    """The random Qwen model prompted through a published Llama or Mistral template: a forced call is written in that
+    template's syntax (Mistral's marker is a special token, gone from the text) and read back as a tool call."""
+    bos, _, _ = NATIVE[name]
+    template = (TEMPLATES / f"{name}.jinja").read_text()
+    tokenizer = Tokenizer(qwen_llm.tokenizer.backend, {"bos_token": bos, "eos_token": "<|im_end|>"}, template)
+    required = run_line(qwen_llm, chat_body(CONVERSATION, tool_choice="required", parallel_tool_calls=False), tokenizer)
+    assert required["message"]["content"] is None
+    assert_valid_calls(required, {"get_weather", "get_time"}, parallel=False)
 
 
 @pytest.fixture(scope="module")
