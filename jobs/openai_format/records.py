@@ -98,38 +98,43 @@ def error_record(error: LineError) -> BatchOutputLine:
 
 
 def response_record(
-    request: BatchRequest, result: GenerationResult, *, model: str, tokenizer: PromptTokenizer
+    request: BatchRequest, results: Sequence[GenerationResult], *, model: str, tokenizer: PromptTokenizer
 ) -> BatchOutputLine:
-    """The output line for a request the engine ran; an error record if the engine aborted any sample."""
-    samples = sorted(result.outputs, key=lambda sample: sample.index)
-    if result.error is not None:
-        return error_record(LineError(request.custom_id, "invalid_parameter", result.error))
-    if any(sample.finish_reason not in get_args(FinishReason) for sample in samples):
-        return error_record(
-            LineError(request.custom_id, "generation_aborted", "the engine aborted this request before it finished")
-        )
-    prompt_tokens = len(result.prompt_token_ids)
-    completion_tokens = sum(len(sample.token_ids) for sample in samples)
+    """The output line for a request the engine ran, from its results (one per prompt, in order); an error record if
+    the engine refused or aborted any of them."""
+    assert len(results) == len(request.prompts), (len(results), len(request.prompts))
+    for result in results:
+        if result.error is not None:
+            return error_record(LineError(request.custom_id, "invalid_parameter", result.error))
+        if any(sample.finish_reason not in get_args(FinishReason) for sample in result.outputs):
+            return error_record(
+                LineError(request.custom_id, "generation_aborted", "the engine aborted this request before it finished")
+            )
+    prompt_tokens = sum(len(result.prompt_token_ids) for result in results)
+    completion_tokens = sum(len(sample.token_ids) for result in results for sample in result.outputs)
+    cached_tokens = sum(result.num_cached_tokens for result in results)
     usage = Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=result.num_cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
     wants_logprobs = request.sampling_params.logprobs is not None
     created = int(time.time())
     body: ChatCompletion | TextCompletion | ResponseObject
-    if request.response_fields is not None:  # a /v1/responses line: one sample (the endpoint has no n)
+    if request.response_fields is not None:  # a /v1/responses line: one prompt, one sample (the endpoint has no n)
+        (result,) = results
         body = response_object(
-            text=samples[0].text,
-            finish_reason=cast(FinishReason, samples[0].finish_reason),
+            text=result.outputs[0].text,
+            finish_reason=cast(FinishReason, result.outputs[0].finish_reason),
             model=model,
             echoed=dict(request.response_fields),
             input_tokens=prompt_tokens,
             output_tokens=completion_tokens,
-            cached_tokens=result.num_cached_tokens,
+            cached_tokens=cached_tokens,
         )
     elif request.url == CHAT_COMPLETIONS:
+        (result,) = results
         top_n = request.sampling_params.logprobs or 0
         body = ChatCompletion(
             id=_random_id("chatcmpl-"),
@@ -142,10 +147,12 @@ def response_record(
                     request.tool_calls,
                     _chat_logprobs(sample, top_n, tokenizer) if wants_logprobs else None,
                 )
-                for sample in samples
+                for sample in _in_index_order(result)
             ],
         )
     else:
+        # OpenAI's order for several prompts: prompt i's sample j is choice i * n + j.
+        n = request.sampling_params.n
         body = TextCompletion(
             id=_random_id("cmpl-"),
             created=created,
@@ -153,15 +160,20 @@ def response_record(
             usage=usage,
             choices=[
                 CompletionChoice(
-                    index=sample.index,
-                    text=(request.echo_text or "") + sample.text,
+                    index=prompt_index * n + sample.index,
+                    text=(request.echo_texts[prompt_index] if request.echo_texts else "") + sample.text,
                     logprobs=_completion_logprobs(sample, tokenizer) if wants_logprobs else None,
                     finish_reason=cast(FinishReason, sample.finish_reason),  # aborted samples returned above
                 )
-                for sample in samples
+                for prompt_index, result in enumerate(results)
+                for sample in _in_index_order(result)
             ],
         )
     return _success_record(request.custom_id, body)
+
+
+def _in_index_order(result: GenerationResult) -> list[GeneratedSequence]:
+    return sorted(result.outputs, key=lambda sample: sample.index)
 
 
 def _chat_choice(sample: GeneratedSequence, plan: ToolCallPlan | None, logprobs: ChatChoiceLogprobs | None) -> ChatChoice:

@@ -159,7 +159,7 @@ class BatchLineValidator:
             encoding_format = embedding.encoding_format or "float"
             return EmbeddingRequest(custom_id, embedding.input, encoding_format, embedding.dimensions)
         plan = None
-        echo_text, response_fields, logit_bias = None, None, None
+        echo_texts, response_fields, logit_bias = None, None, None
         try:
             if url == CHAT_COMPLETIONS:
                 chat = _parse_body(ChatCompletionBody, body)
@@ -171,7 +171,7 @@ class BatchLineValidator:
                         "invalid_parameter", "response_format or guided_* cannot be combined with tools a call may use"
                     )
                 constraint = constraint or tool_constraint
-                prompt_token_ids = self._encode_chat(chat.messages, chat.tools if plan is not None else None)
+                prompts = [self._encode_chat(chat.messages, chat.tools if plan is not None else None)]
                 requested_max_tokens = chat.max_tokens if chat.max_completion_tokens is None else chat.max_completion_tokens
                 default_max_tokens = None
                 logprobs = _chat_logprobs_count(chat)
@@ -181,7 +181,7 @@ class BatchLineValidator:
                 responses = _parse_body(ResponsesBody, body)
                 self._check_model(responses.model, "generation")
                 constraint = responses.constraint()
-                prompt_token_ids = self._encode_chat(responses.messages(), None)
+                prompts = [self._encode_chat(responses.messages(), None)]
                 requested_max_tokens = responses.max_output_tokens
                 default_max_tokens = None
                 logprobs = None
@@ -191,17 +191,19 @@ class BatchLineValidator:
                 completion = _parse_body(CompletionBody, body)
                 self._check_model(completion.model, "generation")
                 constraint = completion.constraint()
-                prompt_token_ids = self._encode_prompt(completion.prompt)
+                prompts = [self._encode_prompt(prompt) for prompt in completion.prompt]
                 requested_max_tokens = completion.max_tokens
                 default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
                 logprobs = completion.logprobs
                 sampling = completion.sampling_kwargs()
-                echo_text = self._echo_text(completion) if completion.echo else None
+                echo_texts = self._echo_texts(completion) if completion.echo else None
                 logit_bias = completion.logit_bias
         except ConstraintRejected as rejected:
             raise _LineRejected(rejected.code, rejected.message) from None
         self._check_vocabulary("stop_token_ids", sampling.get("stop_token_ids", []))
-        max_tokens = self._fit_max_tokens(len(prompt_token_ids), requested_max_tokens, default_max_tokens)
+        # The prompts of one line share their parameters, fitted to the longest: what fits it fits every one.
+        longest = max(len(prompt) for prompt in prompts)
+        max_tokens = self._fit_max_tokens(longest, requested_max_tokens, default_max_tokens)
         try:
             bias = self._logit_bias(logit_bias)
             params = SamplingParams(
@@ -211,20 +213,22 @@ class BatchLineValidator:
             raise _LineRejected("invalid_parameter", str(invalid)) from None
         if self._limits is not None:
             try:
-                params = admit(len(prompt_token_ids), params, self._limits)
+                params = admit(longest, params, self._limits)
             except AdmissionRefused as refused:
                 raise _LineRejected("request_too_large", str(refused)) from None
-        return BatchRequest(custom_id, url, prompt_token_ids, params, echo_text, response_fields, plan)
+        return BatchRequest(custom_id, url, prompts, params, echo_texts, response_fields, plan)
 
-    def _echo_text(self, completion: CompletionBody) -> str:
+    def _echo_texts(self, completion: CompletionBody) -> list[str]:
         if completion.logprobs is not None:
             raise _LineRejected(
                 "invalid_parameter",
                 "echo with logprobs is not supported: the engine does not compute the prompt tokens' logprobs; "
                 "leave out logprobs, or echo",
             )
-        prompt = completion.prompt
-        return prompt if isinstance(prompt, str) else self._tokenizer.decode(prompt, skip_special_tokens=False)
+        return [
+            prompt if isinstance(prompt, str) else self._tokenizer.decode(prompt, skip_special_tokens=False)
+            for prompt in completion.prompt
+        ]
 
     def _check_model(self, name: str | None, kind: ModelKind) -> None:
         if name is None:

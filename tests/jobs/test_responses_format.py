@@ -39,7 +39,7 @@ def test_a_string_input_with_instructions_reads_as_a_chat_with_a_system_turn() -
             chat_line(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}])
         )
     )
-    assert request.prompt_token_ids == as_chat.prompt_token_ids
+    assert request.prompts == as_chat.prompts
     params = request.sampling_params
     assert (params.max_tokens, params.temperature, params.top_p, params.n) == (5, 0.5, 0.9, 1)
 
@@ -56,7 +56,7 @@ def test_message_items_take_text_parts_and_every_role() -> None:
     as_chat = accepted(validator().validate(chat_line(messages=[
         {"role": "system", "content": "terse"}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}])))
-    assert request.prompt_token_ids == as_chat.prompt_token_ids
+    assert request.prompts == as_chat.prompts
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_text_format_constrains_the_output_as_chat_response_format(
 def test_the_answer_is_a_response_object_the_sdk_parses(finish_reason: str, status: str) -> None:
     request = accepted(validator().validate(responses_line(instructions="be brief", max_output_tokens=3)))
     result = FakeResult([1, 5, 6, 7], [FakeSample(0, "the answer", [8, 9, 10], finish_reason)], num_cached_tokens=2)
-    body = as_json(response_record(request, result, model="smollm2", tokenizer=WordTokenizer()))["response"]["body"]
+    body = as_json(response_record(request, [result], model="smollm2", tokenizer=WordTokenizer()))["response"]["body"]
     response = Response.model_validate(body)
     assert (response.object, response.status, response.model) == ("response", status, "smollm2")
     assert response.output_text == "the answer"
