@@ -86,6 +86,8 @@ class GenerationResult(Protocol):
     def num_cached_tokens(self) -> int: ...
     @property
     def error(self) -> str | None: ...  # why the engine could not run it (a constraint that did not compile)
+    @property
+    def prompt_logprobs(self) -> Sequence[Mapping[int, float] | None] | None: ...  # per prompt token, when asked
 
 
 def error_record(error: LineError) -> BatchOutputLine:
@@ -162,7 +164,9 @@ def response_record(
                 CompletionChoice(
                     index=prompt_index * n + sample.index,
                     text=(request.echo_texts[prompt_index] if request.echo_texts else "") + sample.text,
-                    logprobs=_completion_logprobs(sample, tokenizer) if wants_logprobs else None,
+                    logprobs=_completion_logprobs(sample, result, request.echo_texts is not None, tokenizer)
+                    if wants_logprobs
+                    else None,
                     finish_reason=cast(FinishReason, sample.finish_reason),  # aborted samples returned above
                 )
                 for prompt_index, result in enumerate(results)
@@ -255,18 +259,26 @@ def _chat_logprobs(sample: GeneratedSequence, top_n: int, tokenizer: PromptToken
     return ChatChoiceLogprobs(content=content)
 
 
-def _completion_logprobs(sample: GeneratedSequence, tokenizer: PromptTokenizer) -> CompletionLogprobs | None:
+def _completion_logprobs(
+    sample: GeneratedSequence, result: GenerationResult, echo: bool, tokenizer: PromptTokenizer
+) -> CompletionLogprobs | None:
+    """OpenAI's legacy parallel lists; with echo, the prompt's tokens first (the first with null: nothing predicts
+    it), as OpenAI returns them."""
     if sample.logprobs is None:
         return None
-    tokens = [_token_text(tokenizer, token_id) for token_id in sample.token_ids]
+    scored: list[tuple[int, Mapping[int, float] | None]] = list(zip(sample.token_ids, sample.logprobs, strict=True))
+    if echo:
+        assert result.prompt_logprobs is not None, "echo with logprobs asks the engine for the prompt's"
+        scored = list(zip(result.prompt_token_ids, result.prompt_logprobs, strict=True)) + scored
+    tokens = [_token_text(tokenizer, token_id) for token_id, _ in scored]
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[
-            candidates[token_id] for token_id, candidates in zip(sample.token_ids, sample.logprobs, strict=True)
-        ],
+        token_logprobs=[candidates[token_id] if candidates is not None else None for token_id, candidates in scored],
         top_logprobs=[
             {_token_text(tokenizer, candidate_id): logprob for candidate_id, logprob in _best_first(candidates)}
-            for candidates in sample.logprobs
+            if candidates is not None
+            else None
+            for _, candidates in scored
         ],
         text_offset=list(accumulate((len(token) for token in tokens[:-1]), initial=0)) if tokens else [],
     )

@@ -159,7 +159,7 @@ class BatchLineValidator:
             encoding_format = embedding.encoding_format or "float"
             return EmbeddingRequest(custom_id, embedding.input, encoding_format, embedding.dimensions)
         plan = None
-        echo_texts, response_fields, logit_bias = None, None, None
+        echo_texts, response_fields, logit_bias, prompt_logprobs = None, None, None, None
         try:
             if url == CHAT_COMPLETIONS:
                 chat = _parse_body(ChatCompletionBody, body)
@@ -197,6 +197,8 @@ class BatchLineValidator:
                 logprobs = completion.logprobs
                 sampling = completion.sampling_kwargs()
                 echo_texts = self._echo_texts(completion) if completion.echo else None
+                # Echo with logprobs reports the prompt tokens' log-probs too (as many alternatives as the completion's).
+                prompt_logprobs = completion.logprobs if completion.echo else None
                 logit_bias = completion.logit_bias
         except ConstraintRejected as rejected:
             raise _LineRejected(rejected.code, rejected.message) from None
@@ -207,7 +209,12 @@ class BatchLineValidator:
         try:
             bias = self._logit_bias(logit_bias)
             params = SamplingParams(
-                **sampling, max_tokens=max_tokens, logprobs=logprobs, structured_output=constraint, logit_bias=bias
+                **sampling,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                structured_output=constraint,
+                logit_bias=bias,
             )
         except ValueError as invalid:
             raise _LineRejected("invalid_parameter", str(invalid)) from None
@@ -219,12 +226,6 @@ class BatchLineValidator:
         return BatchRequest(custom_id, url, prompts, params, echo_texts, response_fields, plan)
 
     def _echo_texts(self, completion: CompletionBody) -> list[str]:
-        if completion.logprobs is not None:
-            raise _LineRejected(
-                "invalid_parameter",
-                "echo with logprobs is not supported: the engine does not compute the prompt tokens' logprobs; "
-                "leave out logprobs, or echo",
-            )
         return [
             prompt if isinstance(prompt, str) else self._tokenizer.decode(prompt, skip_special_tokens=False)
             for prompt in completion.prompt

@@ -157,7 +157,6 @@ def test_lines_without_a_readable_custom_id_are_rejected(line: str | bytes, code
         (completion_line("a", prompt=[5, VOCAB_SIZE + 1]), "invalid_parameter", "outside the vocabulary"),
         (completion_line("a", logprobs=6), "invalid_parameter", "'body.logprobs'"),
         (completion_line("a", logprobs=True), "invalid_body", "'body.logprobs'"),
-        (completion_line("a", echo=True, logprobs=1), "invalid_parameter", "echo with logprobs is not supported"),
         (completion_line("a", stream=True), "invalid_body", "stream=true is not supported"),
         (chat_line("a", stream=True), "invalid_body", "stream=true is not supported"),
         (chat_line("a", service_tier="fastest"), "invalid_body", "'body.service_tier'"),
@@ -389,6 +388,7 @@ class FakeResult:
     outputs: list[FakeSample] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def as_json(record: Any) -> dict[str, Any]:
@@ -576,3 +576,22 @@ def test_echo_puts_the_prompt_before_each_choice() -> None:
     assert [choice["text"] for choice in body["choices"]] == ["one two three", "one two four"]
     by_ids = accepted(validator().validate(completion_line("i", prompt=[5, 6], echo=True)))
     assert by_ids.echo_texts == ["<5><6>"]  # token-id prompts echo their decoded text
+
+
+def test_echo_with_logprobs_reports_the_prompt_tokens_first_as_openai_does() -> None:
+    request = accepted(validator().validate(completion_line("e", prompt=[5, 6], echo=True, logprobs=1)))
+    assert (request.sampling_params.logprobs, request.sampling_params.prompt_logprobs) == (1, 1)
+    assert accepted(validator().validate(completion_line("l", logprobs=1))).sampling_params.prompt_logprobs is None
+    prompt_logprobs = [None, {6: -2.0, 9: -0.5}]  # the engine's: the prompt token's own, then the top alternatives
+    sample = FakeSample(0, "<7>", [7], "stop", [{7: -0.25}])
+    result = FakeResult([5, 6], [sample], prompt_logprobs=prompt_logprobs)
+    choice = as_json(response_record(request, [result], model="m", tokenizer=WordTokenizer()))["response"]["body"][
+        "choices"
+    ][0]
+    assert choice["text"] == "<5><6><7>"
+    assert choice["logprobs"] == {
+        "tokens": ["<5>", "<6>", "<7>"],
+        "token_logprobs": [None, -2.0, -0.25],
+        "top_logprobs": [None, {"<9>": -0.5, "<6>": -2.0}, {"<7>": -0.25}],
+        "text_offset": [0, 3, 6],
+    }
