@@ -126,9 +126,12 @@ def response_record(
     body: ChatCompletion | TextCompletion | ResponseObject
     if request.response_fields is not None:  # a /v1/responses line: one prompt, one sample (the endpoint has no n)
         (result,) = results
+        sample = result.outputs[0]
+        text, calls = parse_tool_calls(sample.text, request.tool_calls) if request.tool_calls else (sample.text, [])
         body = response_object(
-            text=result.outputs[0].text,
-            finish_reason=cast(FinishReason, result.outputs[0].finish_reason),
+            text=text,
+            calls=calls,
+            finish_reason=cast(FinishReason, sample.finish_reason),
             model=model,
             echoed=dict(request.response_fields),
             input_tokens=prompt_tokens,

@@ -43,6 +43,7 @@ from pydantic_core import ErrorDetails
 
 from engine.admission import AdmissionLimits, AdmissionRefused, admit
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputParams
 from jobs.json_lines import UnreadableLine, load_json_line
 from jobs.openai_format.requests import (
     CHAT_COMPLETIONS,
@@ -64,6 +65,8 @@ from jobs.openai_format.responses_api import ResponsesBody
 from jobs.openai_format.structured_output import ConstraintRejected
 from jobs.openai_format.tool_calls import (
     Tool,
+    ToolCallPlan,
+    ToolChoice,
     generic_tool_prompt,
     plan_tool_calls,
     template_messages,
@@ -164,13 +167,7 @@ class BatchLineValidator:
             if url == CHAT_COMPLETIONS:
                 chat = _parse_body(ChatCompletionBody, body)
                 self._check_model(chat.model, "generation")
-                plan, tool_constraint = plan_tool_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-                constraint = chat.constraint()
-                if constraint is not None and tool_constraint is not None:
-                    raise _LineRejected(
-                        "invalid_parameter", "response_format or guided_* cannot be combined with tools a call may use"
-                    )
-                constraint = constraint or tool_constraint
+                plan, constraint = _with_tools(chat.constraint(), chat.tools, chat.tool_choice, chat.parallel_tool_calls)
                 prompts = [self._encode_chat(chat.messages, chat.tools if plan is not None else None)]
                 requested_max_tokens = chat.max_tokens if chat.max_completion_tokens is None else chat.max_completion_tokens
                 default_max_tokens = None
@@ -180,8 +177,14 @@ class BatchLineValidator:
             elif url == RESPONSES:
                 responses = _parse_body(ResponsesBody, body)
                 self._check_model(responses.model, "generation")
-                constraint = responses.constraint()
-                prompts = [self._encode_chat(responses.messages(), None)]
+                tools = responses.chat_tools()
+                plan, constraint = _with_tools(
+                    responses.constraint(),
+                    tools,
+                    responses.chat_tool_choice(),
+                    responses.parallel_tool_calls if tools else None,  # without tools it asks nothing
+                )
+                prompts = [self._encode_chat(responses.messages(), tools if plan is not None else None)]
                 requested_max_tokens = responses.max_output_tokens
                 default_max_tokens = None
                 logprobs = None
@@ -370,6 +373,22 @@ def _describe(error: ErrorDetails) -> str:
             return f"invalid '{where}': {error['ctx']['error']}"
         case _:
             return f"invalid '{where}': {error['msg']}"
+
+
+def _with_tools(
+    constraint: StructuredOutputParams | None,
+    tools: list[Tool] | None,
+    tool_choice: ToolChoice | None,
+    parallel_tool_calls: bool | None,
+) -> tuple[ToolCallPlan | None, StructuredOutputParams | None]:
+    """The line's tool plan, and its one output constraint: the format it asks for, or its tool calls' (tool_calls.py)."""
+    plan, tool_constraint = plan_tool_calls(tools, tool_choice, parallel_tool_calls)
+    if constraint is not None and tool_constraint is not None:
+        raise _LineRejected(
+            "invalid_parameter",
+            "an output format (response_format, text.format or guided_*) cannot be combined with tools a call may use",
+        )
+    return plan, constraint or tool_constraint
 
 
 def _chat_logprobs_count(chat: ChatCompletionBody) -> int | None:
