@@ -31,12 +31,15 @@ class PromptLogprobs:
 
 
 def score_prompts(
-    compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hidden: torch.Tensor, scheduled: Sequence[ScheduledSequence],
+    compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
+    hidden: torch.Tensor,
+    scheduled: Sequence[ScheduledSequence],
     query_start_loc: Sequence[int],
 ) -> dict[int, PromptLogprobs]:
     """Seq id -> its prompt log-probs of this step, for the scheduled sequences that name prompt tokens to score.
-    `compute_logits` (the model's: hidden [N, hidden] -> logits [N, vocab]) is a collective under tensor parallelism: every rank calls it as often, with the same rows,
-    and only the first gets logits (and a result); the others get an empty dict."""
+    `compute_logits` (the model's: hidden [N, hidden] -> logits [N, vocab]) is a collective under tensor
+    parallelism: every rank calls it as often, with the same rows, and only the first gets logits (and a result);
+    the others get an empty dict."""
     rows: list[int] = []
     targets: list[int] = []
     for item, start in zip(scheduled, query_start_loc):
@@ -78,4 +81,3 @@ def score_prompts(
         )
         offset += count
     return scored
-

@@ -266,7 +266,10 @@ class ResponsesBody(StrictBody):
             "metadata": self.metadata or {},
             "user": self.user,
             "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls,
-            "tool_choice": self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice or "auto",
+            "tool_choice": (
+                self.tool_choice.model_dump() if isinstance(self.tool_choice, FunctionToolChoice) else self.tool_choice
+            )
+            or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []],
         }
 
