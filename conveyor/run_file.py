@@ -70,8 +70,8 @@ def run_batch_file(
     # One generate call for the whole file, so the engine batches continuously across every request.
     results = (
         llm.generate(
-            [request.prompt_token_ids for request in requests],
-            [request.sampling_params for request in requests],
+            [prompt for request in requests for prompt in request.prompts],
+            [request.sampling_params for request in requests for _ in request.prompts],
             use_tqdm=progress,
         )
         if requests
@@ -80,7 +80,9 @@ def run_batch_file(
     results_in_order = iter(results)
 
     records = [
-        response_record(item, next(results_in_order), model=llm.model_name, tokenizer=llm.tokenizer)
+        response_record(
+            item, [next(results_in_order) for _ in item.prompts], model=llm.model_name, tokenizer=llm.tokenizer
+        )
         if isinstance(item, BatchRequest)
         else next(embedded_in_order)
         if isinstance(item, EmbeddingRequest)

@@ -30,6 +30,7 @@ from engine.metrics import EngineStats, StepCounters
 from engine.model_runner import ModelRunner
 from engine.model_shard import ShardSpec, build_model_shard, rank_model_config, windowed_blocks_per_sequence
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -64,6 +65,9 @@ class _Request:
     beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> its next-token log-probs
     beam_results: list[CompletionOutput] | None = None  # beam search's answer, once it is done
     grammar: Future[Any] | None = None  # structured output: its compiled grammar, maybe still compiling
+    # prompt_logprobs: per prompt position, token id -> log-prob (its own token, then the top alternatives); the
+    # first position has None (nothing predicts it). Grows as the prefill's chunks compute.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # why the request could not run (its constraint did not compile)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -189,6 +193,7 @@ class LLMEngine:
             priority=priority,
             arrival_order=self._arrivals,
             base_seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(62),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         self._arrivals += 1
         if params.use_beam_search:
@@ -418,8 +423,11 @@ class LLMEngine:
         if self._grammars is not None:
             matchers = [self._sample_of[seq.seq_id].matcher for seq, count in zip(sampling, fanout) for _ in range(count)]
             token_bitmask = fill_token_bitmask(matchers, self.model_config.vocab_size)
-        result = self.runner.execute(out, rows, fanout, token_bitmask)
+        step = self.runner.execute(out, rows, fanout, token_bitmask)
         self.counters.generation_tokens += len(rows)
+        for seq_id, scored in step.prompt_logprobs.items():
+            self._record_prompt_logprobs(self._requests[self._seqs[seq_id].request_id], scored)
+        result = step.sampled
         if result is None:
             self.scheduler.update(out, {}, self._seqs)
             return []
@@ -478,6 +486,17 @@ class LLMEngine:
             elif request.stream:
                 outputs.append(self._snapshot(request))
         return outputs
+
+    @staticmethod
+    def _record_prompt_logprobs(request: _Request, scored: PromptLogprobs) -> None:
+        """Append a chunk's prompt log-probs. A prompt recomputed after preemption scores its positions again:
+        those already recorded are kept."""
+        recorded = request.prompt_logprobs
+        assert recorded is not None and scored.first_position <= len(recorded), "prompt log-probs skipped a position"
+        token_ids = request.prompt_token_ids
+        for offset in range(len(recorded) - scored.first_position, len(scored.token_logprobs)):
+            position = scored.first_position + offset
+            recorded.append({token_ids[position]: scored.token_logprobs[offset], **scored.top[offset]})
 
     def _advance_beams(self, request: _Request) -> None:
         """Every live beam has its log-probs: pick the next beams by block-table edits (a parent
@@ -607,6 +626,7 @@ class LLMEngine:
             finished=request.finished,
             num_cached_tokens=max((state.seq.num_cached_tokens or 0 for state in request.samples), default=0),
             error=request.error,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
         )
 
     def _finalize(self, request: _Request) -> RequestOutput:

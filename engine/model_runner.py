@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -14,12 +15,21 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.dtypes import KernelBackend
 from engine.kv_cache import KVCaches
 from engine.models.llama import LlamaForCausalLM
+from engine.prompt_logprobs import PromptLogprobs, score_prompts
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.transfer import to_device
 from kernels.block_copy import copy_blocks, copy_blocks_reference, swap_blocks, swap_blocks_reference
 from kernels.decode_attention import table_widths_per_variant
 from kernels.prefill_attention import chunk_lengths_per_tile
+
+
+@dataclass
+class StepResult:
+    """What one step computed for the engine to read: the sampled tokens and the prompt log-probs asked for."""
+
+    sampled: SamplerOutput | None  # None when no row sampled (prefill chunks only, or a rank other than the first)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # seq id -> this step's
 
 
 class ModelRunner:
@@ -62,30 +72,31 @@ class ModelRunner:
         rows: Sequence[SamplingRow],
         fanout: Sequence[int] | None = None,
         token_bitmask: torch.Tensor | None = None,
-    ) -> SamplerOutput | None:
+    ) -> StepResult:
         """Run one step. `rows` are the sampling inputs of the scheduled sequences that need a
         token, in schedule order; `fanout[i]` says how many consecutive rows sample from the i-th
         such sequence's logits (a prompt forking into n samples), 1 each when None; `token_bitmask`
-        the grammar's allowed tokens per row (structured output), None when no row has one. Returns None
-        when nothing needs sampling (pure prefill chunks, or a step that only swaps out), and on
+        the grammar's allowed tokens per row (structured output), None when no row has one. Nothing is
+        sampled when no sequence needs a token (pure prefill chunks, or a step that only swaps out), nor on
         tensor-parallel ranks other than the first, which pass no rows."""
         self._move_blocks(output)
         if not output.scheduled:
-            return None
+            return StepResult(None)
         input_ids, positions, metadata, logits_indices = self._prepare(output)
         if self.decode_graphs is not None and self.decode_graphs.can_run(metadata):
             hidden = self.decode_graphs.run(input_ids, positions, metadata)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        prompt_logprobs = score_prompts(self.model.compute_logits, hidden, output.scheduled, metadata.query_start_loc)
         if not any(item.needs_sample for item in output.scheduled):
-            return None
+            return StepResult(None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[logits_indices])
         if logits is None:  # a tensor-parallel rank other than the first: rank 0 samples
-            return None
+            return StepResult(None)
         if fanout is not None and any(count != 1 for count in fanout):
             repeats = to_device(fanout, torch.int64, logits.device)
             logits = logits.repeat_interleave(repeats, dim=0, output_size=sum(fanout))  # no sync for the size
-        return self.sampler(logits, rows, token_bitmask)
+        return StepResult(self.sampler(logits, rows, token_bitmask), prompt_logprobs)
 
     @torch.inference_mode()
     def run_dummy_step(self, query_lens: Sequence[int], blocks_per_seq: int, sample_rows: Sequence[SamplingRow] = ()) -> None:

@@ -32,3 +32,6 @@ class RequestOutput:
     prompt: str | None = None
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed (OpenAI's cached_tokens)
     error: str | None = None  # why the request could not run (its structured-output constraint did not compile)
+    # SamplingParams.prompt_logprobs: per prompt token, token id -> log-prob (its own, then the top alternatives);
+    # None for the first token, which nothing predicts
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -24,6 +24,10 @@ class SamplingParams:
     grammar (engine/structured_output.py); eos is then allowed only where the grammar may end.
     `logit_bias` adds a bias in [-100, 100] to a token id's logit before sampling (OpenAI's semantics:
     -100 bans the token, 100 all but forces it).
+
+    `prompt_logprobs` (vLLM's): the log-prob of every prompt token under the model given the tokens before it,
+    with that many top alternatives each (the first token has none: nothing predicts it). They come from the
+    prefill's logits, so such a request computes its whole prompt: it takes nothing from the prefix cache.
     """
 
     n: int = 1
@@ -45,6 +49,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutputParams | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -99,6 +104,10 @@ class SamplingParams:
         require(
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+        require(
+            self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+            f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}",
         )
         require(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0")

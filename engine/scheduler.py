@@ -46,6 +46,10 @@ class ScheduledSequence:
     token_ids: tuple[int, ...]  # the tokens computed this step
     block_table: tuple[int, ...]  # covers start_position + len(token_ids) tokens
     needs_sample: bool  # this step reaches the sequence's last known token, so it yields a new one
+    # Prompt log-probs (SamplingParams.prompt_logprobs): the prompt tokens this step's logits predict, one per
+    # computed position up to the prompt's last but one; empty when not asked for. With how many alternatives each.
+    prompt_logprob_targets: tuple[int, ...] = ()
+    prompt_top_logprobs: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -278,7 +282,7 @@ class Scheduler:
         if head is not self._head:
             self._head, self._head_overtakes = head, 0
         head_first = self._head_overtakes >= self.config.prefix_ordering_max_overtakes
-        cached_prefix = self.block_manager.cached_prefix
+        cached_prefix = self._usable_prefix
 
         def rank(seq: Sequence) -> tuple[int, bool, int, int]:
             return (seq.priority, not (head_first and seq is head), -len(cached_prefix(seq)), seq.arrival_order)
@@ -309,7 +313,7 @@ class Scheduler:
             swap_in.extend(manager.swap_in(seq.seq_id))
             self.counters.blocks_swapped_in += num_host
         else:
-            cached = manager.cached_prefix(seq)
+            cached = self._usable_prefix(seq)
             reusable = min((seq.num_tokens - 1) // size, len(seq.block_hashes))  # no hashes: caching is off
             if len(cached) < reusable and seq.block_hashes[len(cached)] in self._blocks_in_flight:
                 # Another sequence with the same prefix computes its next block this step: next step
@@ -339,18 +343,29 @@ class Scheduler:
         bisect.insort(self.running, seq, key=_schedule_key)
         return num_new
 
+    def _usable_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` may start from: none when it needs its prompt's logits (prompt_logprobs).
+        Computing its prompt whole is simpler than keeping log-probs beside the cached blocks, and costs only
+        the requests that ask for them."""
+        return [] if seq.needs_prompt_logits else self.block_manager.cached_prefix(seq)
+
     def _schedule_one(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
-        self.block_manager.allocate(seq.seq_id, start, start + num_new)
+        stop = start + num_new
+        self.block_manager.allocate(seq.seq_id, start, stop)
         seq.last_scheduled_step = self._step
         size = self.block_manager.block_size
-        self._blocks_in_flight.update(seq.block_hashes[start // size : (start + num_new) // size])
+        self._blocks_in_flight.update(seq.block_hashes[start // size : stop // size])
+        # Position p's logits predict token p + 1: this chunk scores the prompt tokens after each of its positions.
+        targets = tuple(seq.prompt_token_ids[start + 1 : stop + 1]) if seq.needs_prompt_logits else ()
         return ScheduledSequence(
             seq_id=seq.seq_id,
             start_position=start,
-            token_ids=tuple(seq.token_ids_slice(start, start + num_new)),
+            token_ids=tuple(seq.token_ids_slice(start, stop)),
             block_table=tuple(self.block_manager.block_table(seq.seq_id)),
-            needs_sample=start + num_new == seq.num_tokens,
+            needs_sample=stop == seq.num_tokens,
+            prompt_logprob_targets=targets,
+            prompt_top_logprobs=(seq.params.prompt_logprobs or 0) if targets else 0,
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int], seqs: dict[int, Sequence]) -> None:

@@ -37,6 +37,12 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Its prompt's log-probs are asked for and the prompt is not computed yet: every prompt position's
+        logits are needed, so nothing of it may come from the prefix cache."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

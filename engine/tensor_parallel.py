@@ -35,9 +35,9 @@ from engine.distributed import (
     open_store,
     wait_for_store,
 )
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepResult
 from engine.model_shard import ModelShard, ShardSpec, build_model_shard
-from engine.sampler import SamplerOutput, SamplingRow
+from engine.sampler import SamplingRow
 from engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class TensorParallelRunner:
         rows: Sequence[SamplingRow],
         fanout: Sequence[int] | None = None,
         token_bitmask: torch.Tensor | None = None,
-    ) -> SamplerOutput | None:
+    ) -> StepResult:
         self.ranks.check()
         self.ranks.send(output)
         try:  # the grammar's bitmask stays on rank 0: only rank 0 samples

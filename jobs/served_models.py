@@ -2,19 +2,26 @@
 
 A worker serves one generation model under the names `CONVEYOR_SERVED_MODEL_NAMES` gives it (default: the model's
 own name), and its embedding model under that model's name. The first name is the model's id: the Celery queue its
-chunks go to (`model_queue`) and the `model` of the batches it runs. Workers announce what they serve in a Redis hash
-(`ModelRegistry`), which the API lists and the validating worker consults. OpenAI's names reach a local model only
-through aliases an operator wrote down (`CONVEYOR_MODEL_ALIASES`), never by guessing.
+chunks go to (`model_queue`) and the `model` of the batches it runs. Workers announce what they serve in Redis
+(`ModelRegistry`), which the API lists and the validating worker consults. An announcement expires: each worker
+re-announces its models every third of `CONVEYOR_MODEL_ANNOUNCE_TTL_SECONDS` (`Heartbeat`), so a model leaves
+`/v1/models` at most that long after the last worker serving it stopped, however it stopped. OpenAI's names reach a
+local model only through aliases an operator wrote down (`CONVEYOR_MODEL_ALIASES`), never by guessing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 from redis import Redis
+from redis.exceptions import RedisError, WatchError
+
+log = logging.getLogger(__name__)
 
 ModelKind = Literal["generation", "embedding"]
 OWNED_BY = "conveyor"  # OpenAI's `owned_by`: who provides the model, here the deployment itself
@@ -78,27 +85,94 @@ def listed_names(served: list[ServedModel], aliases: dict[str, str]) -> dict[str
     return {**by_name, **by_alias}
 
 
-class ModelRegistry:
-    """The deployment's served models, in one Redis hash: model id -> its announcement (JSON)."""
+DEFAULT_ANNOUNCE_TTL_SECONDS = 60.0
 
-    def __init__(self, redis: Redis, prefix: str) -> None:
+
+class ModelRegistry:
+    """The deployment's served models in Redis: one key per model holding its announcement (JSON), expiring
+    `ttl_seconds` after the latest announcement of any worker serving it, and a set of the ids, for listing (pruned
+    of the expired ones as it is read)."""
+
+    def __init__(self, redis: Redis, prefix: str, ttl_seconds: float = DEFAULT_ANNOUNCE_TTL_SECONDS) -> None:
         self._redis = redis
-        self._key = f"{prefix}served_models"
+        self._ids_key = f"{prefix}served_model_ids"
+        self._model_prefix = f"{prefix}served_model:"
+        self.ttl_seconds = ttl_seconds
+
+    def _key(self, model_id: str) -> str:
+        return self._model_prefix + model_id
 
     def announce(self, models: list[ServedModel]) -> None:
+        """Announce (or re-announce) `models` as served for the next `ttl_seconds`."""
         for model in models:
             # The first announcement's time stays: `created` is when the deployment started serving the model.
-            known = self._redis.hget(self._key, model.id)
+            known = self._redis.get(self._key(model.id))
             created = json.loads(known)["created"] if known else model.created
-            self._redis.hset(self._key, model.id, json.dumps({**asdict(model), "created": created}))
+            announcement = json.dumps({**asdict(model), "created": created})
+            with self._redis.pipeline() as both:  # MULTI: a listing never sees the key without its id, nor the reverse
+                both.set(self._key(model.id), announcement, px=int(self.ttl_seconds * 1000))
+                both.sadd(self._ids_key, model.id)
+                both.execute()
 
     def served(self) -> list[ServedModel]:
-        entries = self._redis.hgetall(self._key)
-        models = []
-        for raw in entries.values():
+        ids = sorted(member.decode() for member in self._redis.smembers(self._ids_key))
+        announcements = self._redis.mget([self._key(model_id) for model_id in ids]) if ids else []
+        models, expired = [], []
+        for model_id, raw in zip(ids, announcements):
+            if raw is None:
+                expired.append(model_id)
+                continue
             fields = json.loads(raw)
             models.append(ServedModel(fields["id"], tuple(fields["names"]), fields["kind"], fields["created"]))
-        return sorted(models, key=lambda model: model.id)
+        if expired:
+            self._forget(expired)
+        return models
+
+    def _forget(self, model_ids: list[str]) -> None:
+        """Drop expired ids from the set, unless a worker announces one of them meanwhile (WATCH aborts then)."""
+        keys = [self._key(model_id) for model_id in model_ids]
+        with self._redis.pipeline() as prune:
+            try:
+                prune.watch(*keys)
+                if prune.exists(*keys):
+                    return  # announced again since it was read: the next listing sorts it out
+                prune.multi()
+                prune.srem(self._ids_key, *model_ids)
+                prune.execute()
+            except WatchError:
+                pass
+
+    def keep_announcing(self, models: list[ServedModel]) -> "Heartbeat":
+        """Announce `models` now, then every third of the TTL on a thread, until the heartbeat is stopped."""
+        self.announce(models)
+        heartbeat = Heartbeat(self, models)
+        heartbeat.start()
+        return heartbeat
+
+
+class Heartbeat:
+    """Re-announces a worker's models every third of the registry's TTL, so that they stay listed while it lives.
+    A Redis that cannot be reached is retried at the next beat: one missed beat does not expire anything."""
+
+    def __init__(self, registry: ModelRegistry, models: list[ServedModel]) -> None:
+        self._registry = registry
+        self._models = models
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="model-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._registry.ttl_seconds / 3):
+            try:
+                self._registry.announce(self._models)
+            except RedisError as unreachable:
+                log.warning("cannot re-announce the served models: %s", unreachable)
 
 
 def process_models(generation_names: list[str], embedding_model: str) -> list[ServedModel]:

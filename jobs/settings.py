@@ -27,7 +27,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSetti
 
 from engine.config import EngineConfig
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
-from jobs.served_models import parse_aliases
+from jobs.served_models import DEFAULT_ANNOUNCE_TTL_SECONDS, parse_aliases
 
 ENV_PREFIX = "CONVEYOR_"
 # Longest input line validated; a longer one is that line's error, never read whole. A million-token context is
@@ -91,6 +91,12 @@ class Settings(BaseSettings):
         "",
         description="comma-separated names the worker's model answers to in a line's `model`; the first is its id "
         "(its queue, the `model` of the batches it runs); empty: the model's own name, e.g. `smollm2-135m-instruct`",
+    )
+    model_announce_ttl_seconds: float = Field(
+        DEFAULT_ANNOUNCE_TTL_SECONDS,
+        gt=0,
+        description="seconds a served model stays listed (`/v1/models`, routing) after the last announcement of a "
+        "worker serving it; workers re-announce every third of that",
     )
     model_aliases: str = Field(
         "",

@@ -99,7 +99,7 @@ def worker_models(settings: Settings, engine_model_name: str, redis: Redis) -> W
     names = parse_names(settings.served_model_names) or [engine_model_name]
     return WorkerModels(
         process_models(names, settings.embedding_model),
-        ModelRegistry(redis, settings.redis_prefix),
+        ModelRegistry(redis, settings.redis_prefix, settings.model_announce_ttl_seconds),
         parse_aliases(settings.model_aliases),
     )
 
@@ -112,19 +112,23 @@ def run_worker(
     loop = build_engine(settings)  # before consuming: a model that cannot load fails the worker at start
     pipeline = build_pipeline(settings, loop)
     register_tasks(celery_app, pipeline)
-    pipeline.models.registry.announce(pipeline.models.served)  # only now: its batches can be validated here
+    # Only now: its batches can be validated here. Re-announced while it lives; it lapses once the worker is gone.
+    heartbeat = pipeline.models.registry.keep_announcing(pipeline.models.served)
     start_worker_telemetry(settings, loop)
-    celery_app.worker_main(
-        [
-            # Celery's start-up banner is many lines of plain text, which would break a stream of JSON lines.
-            *(["--quiet"] if settings.log_format == "json" else []),
-            "worker",
-            "--pool=threads",
-            f"--concurrency={concurrency}",
-            "--queues=" + ",".join(queues or [CONTROL_QUEUE, UNROUTED_QUEUE, *pipeline.models.queues()]),
-            f"--loglevel={loglevel}",
-            "--without-gossip",
-            "--without-mingle",
-            *([f"--hostname={node_name}"] if node_name else []),
-        ]
-    )
+    try:
+        celery_app.worker_main(
+            [
+                # Celery's start-up banner is many lines of plain text, which would break a stream of JSON lines.
+                *(["--quiet"] if settings.log_format == "json" else []),
+                "worker",
+                "--pool=threads",
+                f"--concurrency={concurrency}",
+                "--queues=" + ",".join(queues or [CONTROL_QUEUE, UNROUTED_QUEUE, *pipeline.models.queues()]),
+                f"--loglevel={loglevel}",
+                "--without-gossip",
+                "--without-mingle",
+                *([f"--hostname={node_name}"] if node_name else []),
+            ]
+        )
+    finally:
+        heartbeat.stop()

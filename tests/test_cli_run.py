@@ -60,6 +60,9 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
         request_line("too-long", "/v1/completions", {"prompt": "word " * 50_000, "max_tokens": 4}),
         request_line("two-samples", chat, {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 6,
                                            "n": 2, "seed": 3}),
+        request_line("two-prompts-echo", "/v1/completions", {"prompt": ["The capital of France is", "One, two,"],
+                                                             "max_tokens": 2, "temperature": 0, "echo": True,
+                                                             "logprobs": 1}),
     ]
     source, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     source.write_text("\n".join(lines) + "\n")
@@ -70,10 +73,11 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
     records = [json.loads(line) for line in results.read_text().splitlines()]
     assert [record["custom_id"] for record in records] == [
         "chat-ok", None, "text-ok", "bad-temperature", "bad-url", "chat-logprobs", "too-long", "two-samples",
+        "two-prompts-echo",
     ]
     by_id = {record["custom_id"]: record for record in records}
 
-    for custom_id in ("chat-ok", "text-ok", "chat-logprobs", "two-samples"):
+    for custom_id in ("chat-ok", "text-ok", "chat-logprobs", "two-samples", "two-prompts-echo"):
         record = by_id[custom_id]
         assert record["error"] is None
         assert record["id"].startswith("batch_req_")
@@ -101,6 +105,15 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
     assert token_logprobs and all(len(entry["top_logprobs"]) == 2 for entry in token_logprobs)
     assert [choice["index"] for choice in by_id["two-samples"]["response"]["body"]["choices"]] == [0, 1]
 
+    echoed = by_id["two-prompts-echo"]["response"]["body"]["choices"]  # one choice per prompt, prompt first
+    assert [choice["text"][:9] for choice in echoed] == ["The capit", "One, two,"]
+    for choice in echoed:
+        scored = choice["logprobs"]
+        assert "".join(scored["tokens"]) == choice["text"]
+        assert scored["token_logprobs"][0] is None and scored["top_logprobs"][0] is None
+        assert all(logprob <= 0 for logprob in scored["token_logprobs"][1:])
+        assert scored["text_offset"][-1] + len(scored["tokens"][-1]) == len(choice["text"])
+
     errors = {record["custom_id"]: record["error"] for record in records if record["error"] is not None}
     assert errors[None]["code"] == "invalid_json_line"
     assert errors["bad-temperature"] == {"code": "invalid_parameter", "message": "temperature must be >= 0, got -1.0"}
@@ -109,7 +122,7 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
     assert all(record["response"] is None for record in records if record["error"] is not None)
 
     summary = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "8 requests, 4 succeeded, 4 failed" in summary
+    assert "9 requests, 5 succeeded, 4 failed" in summary
     assert "1 invalid_json_line" in summary and str(results) in summary
 
 

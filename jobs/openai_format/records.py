@@ -86,6 +86,8 @@ class GenerationResult(Protocol):
     def num_cached_tokens(self) -> int: ...
     @property
     def error(self) -> str | None: ...  # why the engine could not run it (a constraint that did not compile)
+    @property
+    def prompt_logprobs(self) -> Sequence[Mapping[int, float] | None] | None: ...  # per prompt token, when asked
 
 
 def error_record(error: LineError) -> BatchOutputLine:
@@ -98,38 +100,46 @@ def error_record(error: LineError) -> BatchOutputLine:
 
 
 def response_record(
-    request: BatchRequest, result: GenerationResult, *, model: str, tokenizer: PromptTokenizer
+    request: BatchRequest, results: Sequence[GenerationResult], *, model: str, tokenizer: PromptTokenizer
 ) -> BatchOutputLine:
-    """The output line for a request the engine ran; an error record if the engine aborted any sample."""
-    samples = sorted(result.outputs, key=lambda sample: sample.index)
-    if result.error is not None:
-        return error_record(LineError(request.custom_id, "invalid_parameter", result.error))
-    if any(sample.finish_reason not in get_args(FinishReason) for sample in samples):
-        return error_record(
-            LineError(request.custom_id, "generation_aborted", "the engine aborted this request before it finished")
-        )
-    prompt_tokens = len(result.prompt_token_ids)
-    completion_tokens = sum(len(sample.token_ids) for sample in samples)
+    """The output line for a request the engine ran, from its results (one per prompt, in order); an error record if
+    the engine refused or aborted any of them."""
+    assert len(results) == len(request.prompts), (len(results), len(request.prompts))
+    for result in results:
+        if result.error is not None:
+            return error_record(LineError(request.custom_id, "invalid_parameter", result.error))
+        if any(sample.finish_reason not in get_args(FinishReason) for sample in result.outputs):
+            return error_record(
+                LineError(request.custom_id, "generation_aborted", "the engine aborted this request before it finished")
+            )
+    prompt_tokens = sum(len(result.prompt_token_ids) for result in results)
+    completion_tokens = sum(len(sample.token_ids) for result in results for sample in result.outputs)
+    cached_tokens = sum(result.num_cached_tokens for result in results)
     usage = Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=result.num_cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
     wants_logprobs = request.sampling_params.logprobs is not None
     created = int(time.time())
     body: ChatCompletion | TextCompletion | ResponseObject
-    if request.response_fields is not None:  # a /v1/responses line: one sample (the endpoint has no n)
+    if request.response_fields is not None:  # a /v1/responses line: one prompt, one sample (the endpoint has no n)
+        (result,) = results
+        sample = result.outputs[0]
+        text, calls = parse_tool_calls(sample.text, request.tool_calls) if request.tool_calls else (sample.text, [])
         body = response_object(
-            text=samples[0].text,
-            finish_reason=cast(FinishReason, samples[0].finish_reason),
+            text=text,
+            calls=calls,
+            finish_reason=cast(FinishReason, sample.finish_reason),
             model=model,
             echoed=dict(request.response_fields),
             input_tokens=prompt_tokens,
             output_tokens=completion_tokens,
-            cached_tokens=result.num_cached_tokens,
+            cached_tokens=cached_tokens,
         )
     elif request.url == CHAT_COMPLETIONS:
+        (result,) = results
         top_n = request.sampling_params.logprobs or 0
         body = ChatCompletion(
             id=_random_id("chatcmpl-"),
@@ -142,10 +152,12 @@ def response_record(
                     request.tool_calls,
                     _chat_logprobs(sample, top_n, tokenizer) if wants_logprobs else None,
                 )
-                for sample in samples
+                for sample in _in_index_order(result)
             ],
         )
     else:
+        # OpenAI's order for several prompts: prompt i's sample j is choice i * n + j.
+        n = request.sampling_params.n
         body = TextCompletion(
             id=_random_id("cmpl-"),
             created=created,
@@ -153,15 +165,22 @@ def response_record(
             usage=usage,
             choices=[
                 CompletionChoice(
-                    index=sample.index,
-                    text=(request.echo_text or "") + sample.text,
-                    logprobs=_completion_logprobs(sample, tokenizer) if wants_logprobs else None,
+                    index=prompt_index * n + sample.index,
+                    text=(request.echo_texts[prompt_index] if request.echo_texts else "") + sample.text,
+                    logprobs=_completion_logprobs(sample, result, request.echo_texts is not None, tokenizer)
+                    if wants_logprobs
+                    else None,
                     finish_reason=cast(FinishReason, sample.finish_reason),  # aborted samples returned above
                 )
-                for sample in samples
+                for prompt_index, result in enumerate(results)
+                for sample in _in_index_order(result)
             ],
         )
     return _success_record(request.custom_id, body)
+
+
+def _in_index_order(result: GenerationResult) -> list[GeneratedSequence]:
+    return sorted(result.outputs, key=lambda sample: sample.index)
 
 
 def _chat_choice(sample: GeneratedSequence, plan: ToolCallPlan | None, logprobs: ChatChoiceLogprobs | None) -> ChatChoice:
@@ -243,18 +262,26 @@ def _chat_logprobs(sample: GeneratedSequence, top_n: int, tokenizer: PromptToken
     return ChatChoiceLogprobs(content=content)
 
 
-def _completion_logprobs(sample: GeneratedSequence, tokenizer: PromptTokenizer) -> CompletionLogprobs | None:
+def _completion_logprobs(
+    sample: GeneratedSequence, result: GenerationResult, echo: bool, tokenizer: PromptTokenizer
+) -> CompletionLogprobs | None:
+    """OpenAI's legacy parallel lists; with echo, the prompt's tokens first (the first with null: nothing predicts
+    it), as OpenAI returns them."""
     if sample.logprobs is None:
         return None
-    tokens = [_token_text(tokenizer, token_id) for token_id in sample.token_ids]
+    scored: list[tuple[int, Mapping[int, float] | None]] = list(zip(sample.token_ids, sample.logprobs, strict=True))
+    if echo:
+        assert result.prompt_logprobs is not None, "echo with logprobs asks the engine for the prompt's"
+        scored = list(zip(result.prompt_token_ids, result.prompt_logprobs, strict=True)) + scored
+    tokens = [_token_text(tokenizer, token_id) for token_id, _ in scored]
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[
-            candidates[token_id] for token_id, candidates in zip(sample.token_ids, sample.logprobs, strict=True)
-        ],
+        token_logprobs=[candidates[token_id] if candidates is not None else None for token_id, candidates in scored],
         top_logprobs=[
             {_token_text(tokenizer, candidate_id): logprob for candidate_id, logprob in _best_first(candidates)}
-            for candidates in sample.logprobs
+            if candidates is not None
+            else None
+            for _, candidates in scored
         ],
         text_offset=list(accumulate((len(token) for token in tokens[:-1]), initial=0)) if tokens else [],
     )

@@ -37,6 +37,7 @@ MODEL_KINDS: dict[Endpoint, ModelKind] = {
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of texts in one embeddings request
+MAX_PROMPTS = 2048  # prompts in one completions line: a bound on one line's work, as embeddings' input list
 
 
 class PromptTokenizer(Protocol):
@@ -79,17 +80,18 @@ def _as_list(value: object) -> object:
     return [value] if isinstance(value, str) else value
 
 
-def _single_prompt(prompt: object) -> object:
-    """Accept one prompt as text or token ids, also wrapped in a one-element list as OpenAI clients send it."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
-        raise ValueError("a batch line takes exactly one prompt; put each prompt on its own line")
-    if isinstance(prompt, list) and all(type(item) is int and item >= 0 for item in prompt):
-        return prompt
-    raise ValueError("prompt must be a string or a list of token ids (integers >= 0)")
+def _prompt_list(prompt: object) -> object:
+    """OpenAI's `prompt`: one text, one list of token ids, or a list of either (one choice set per prompt)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(type(item) is int for item in prompt)):
+        prompt = [prompt]  # one prompt ([] too: one empty prompt, refused as such when encoded)
+    if not isinstance(prompt, list):
+        raise ValueError("prompt must be a string or a list of token ids, or a list of those")
+    for item in prompt:
+        if isinstance(item, str):
+            continue
+        if not (isinstance(item, list) and all(type(token) is int and token >= 0 for token in item)):
+            raise ValueError("each prompt must be a string or a list of token ids (integers >= 0)")
+    return prompt
 
 
 class ChatMessage(StrictBody):
@@ -210,7 +212,8 @@ class EmbeddingBody(StrictBody):
 
 
 class CompletionBody(_SamplingFields):
-    prompt: Annotated[str | list[int], BeforeValidator(_single_prompt)]
+    # Several prompts in one line run as one engine request each; the line's choices list them in prompt order.
+    prompt: Annotated[list[str | list[int]], BeforeValidator(_prompt_list), Field(max_length=MAX_PROMPTS)]
     stream: NotStreamed = None
     max_tokens: int | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5)
@@ -219,13 +222,13 @@ class CompletionBody(_SamplingFields):
 
 @dataclass(frozen=True)
 class BatchRequest:
-    """A valid line, ready for `LLM.generate`."""
+    """A valid line, ready for `LLM.generate`: one engine request per prompt, all with the same parameters."""
 
     custom_id: str
     url: Endpoint
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # token ids; only a completions line may hold more than one prompt
     sampling_params: SamplingParams
-    echo_text: str | None = None  # completions' echo: the prompt as text, put before each choice's text
+    echo_texts: list[str] | None = None  # completions' echo: each prompt as text, put before its choices' text
     # /v1/responses: what the response object repeats of its request (`ResponsesBody.echoed`)
     response_fields: Mapping[str, Any] | None = None
     tool_calls: ToolCallPlan | None = None  # tools are on: look for calls in the output

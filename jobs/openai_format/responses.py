@@ -81,9 +81,10 @@ class ChatCompletion(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    # With echo, the prompt's tokens come first; its first token has null for its log-prob and alternatives.
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]  # character offset of each token in the choice's text
 
 

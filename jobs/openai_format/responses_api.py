@@ -1,12 +1,14 @@
 """OpenAI's Responses API (`/v1/responses`) in batch lines: the request body, and the `response` object answering it.
 
-A line's `input` (a string, or message items) and `instructions` become a chat conversation run like a chat
-completions line; the answer is OpenAI's `response` object: one `message` output item holding `output_text`, a
-`status` of "completed" or "incomplete" (`incomplete_details.reason` "max_output_tokens"), and `usage` in input and
-output tokens. What needs state a batch service does not keep is refused per line: `previous_response_id` (no stored
-responses to continue), `store: true` (nothing is kept for retrieval by id: the output file holds the responses),
-`background` (a batch line is background work already), built-in tools. Function tools and `text.format`
-json_schema wait for the structured-outputs work and are refused until it lands.
+A line's `input` (a string, or items) and `instructions` become a chat conversation run like a chat completions
+line: message items are turns, `function_call` items the assistant's earlier calls and `function_call_output` items
+their results (tool turns), so a multi-turn tool conversation can be sent whole. Function `tools` and `tool_choice`
+go through chat's tool-calling machinery (tool_calls.py). The answer is OpenAI's `response` object: a `message` output
+item holding `output_text` and/or one `function_call` item per call the model made, a `status` of "completed" or
+"incomplete" (`incomplete_details.reason` "max_output_tokens"), and `usage` in input and output tokens. What needs
+state a batch service does not keep is refused per line: `previous_response_id` (no stored responses to continue),
+`store: true` (nothing is kept for retrieval by id: the output file holds the responses), `background` (a batch
+line is background work already), built-in tools (web search and the like: the model runs alone here).
 """
 
 from __future__ import annotations
@@ -15,11 +17,31 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from engine.structured_output import StructuredOutputParams
 from jobs.openai_format.requests import ChatMessage, NotStreamed, ServiceTier, StrictBody
 from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
+from jobs.openai_format.tool_calls import (
+    FUNCTION_NAME_PATTERN,
+    ChatFunctionCall,
+    ChatToolCall,
+    FunctionDefinition,
+    FunctionName,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
 
 
 def _input_text(content: object) -> object:
@@ -49,6 +71,47 @@ class InputMessage(StrictBody):
     type: Literal["message"] | None = None
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[str, BeforeValidator(_input_text)]
+    id: str | None = None  # an earlier response's output item sent back: its id and status change nothing
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallItem(StrictBody):
+    """An `input` item: a call the model made in an earlier turn (the `function_call` output item, sent back)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(StrictBody):
+    """An `input` item: the result of an earlier call, for the model to read (a tool turn)."""
+
+    type: Literal["function_call_output"]
+    call_id: str  # the `function_call` it answers
+    output: Annotated[str, BeforeValidator(_input_text)]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+def _item_type(item: object) -> str | None:
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind or "message"  # OpenAI's EasyInputMessage has no type
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(
+        _item_type,
+        custom_error_type="invalid_input_item",
+        custom_error_message="input items must be messages, function_call or function_call_output items "
+        "(reasoning, item references and built-in tools' items are not supported)",
+    ),
+]
 
 
 class TextFormat(StrictBody):
@@ -77,13 +140,31 @@ class TextConfig(StrictBody):
     format: TextFormat | None = None
 
 
-def _no_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    for tool in tools or []:
+class FunctionTool(StrictBody):
+    """A Responses API function tool: chat's function definition, inline."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def as_chat_tool(self) -> Tool:
+        definition = self.model_dump(exclude={"type"}, exclude_none=True)
+        return Tool(type="function", function=FunctionDefinition.model_validate(definition))
+
+
+def _function_tools_only(tools: object) -> object:
+    for tool in tools if isinstance(tools, list) else []:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             raise ValueError(f"built-in tool {kind!r} is not supported: this service runs the model alone")
-        raise ValueError("function tools are not supported yet in /v1/responses lines")
     return tools
+
+
+class FunctionToolChoice(StrictBody):
+    type: Literal["function"]
+    name: str
 
 
 def _refuse_if_set(message: str) -> Any:
@@ -97,15 +178,16 @@ def _refuse_if_set(message: str) -> Any:
 
 class ResponsesBody(StrictBody):
     model: str | None = None  # as for the other endpoints: a served model's name or alias
-    input: Annotated[list[InputMessage], BeforeValidator(_as_messages)]  # a string is one user message
+    input: Annotated[list[InputItem], BeforeValidator(_as_messages)]  # a string is one user message
     instructions: str | None = None  # a system message before the input
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     text: TextConfig | None = None
-    tools: Annotated[list[dict[str, Any]] | None, AfterValidator(_no_tools)] = None
-    tool_choice: Literal["none", "auto"] | None = None  # without tools, both mean: answer in text
-    parallel_tool_calls: bool | None = None  # no tools, so nothing to call in parallel
+    tools: Annotated[list[FunctionTool], BeforeValidator(_function_tools_only)] | None = None
+    # As on chat; without tools "none" and "auto" both mean: answer in text.
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # as on chat; without tools, nothing to call
     stream: NotStreamed = None
     # Accepted no-ops, as on chat completions: `metadata` tags the response, `user` names the end user,
     # `service_tier` picks OpenAI's processing tier.
@@ -131,19 +213,48 @@ class ResponsesBody(StrictBody):
 
     @field_validator("input")
     @classmethod
-    def _non_empty(cls, value: list[InputMessage]) -> list[InputMessage]:
+    def _non_empty(cls, value: list[InputItem]) -> list[InputItem]:
         if not value:
             raise ValueError("input must hold at least one message")
+        calls: set[str] = set()
+        for item in value:  # as OpenAI: a result must answer a call made before it
+            if isinstance(item, FunctionCallItem):
+                calls.add(item.call_id)
+            elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+                raise ValueError(f"no function_call before it has call_id {item.call_id!r}")
         return value
+
+    def chat_tools(self) -> list[Tool] | None:
+        return [tool.as_chat_tool() for tool in self.tools] if self.tools else None
+
+    def chat_tool_choice(self) -> ToolChoice | None:
+        """tool_choice for chat's planning. Without tools, "auto" means what "none" does (OpenAI accepts it there)."""
+        if isinstance(self.tool_choice, FunctionToolChoice):
+            return NamedToolChoice(type="function", function=FunctionName(name=self.tool_choice.name))
+        return None if not self.tools and self.tool_choice == "auto" else self.tool_choice
 
     def constraint(self) -> StructuredOutputParams | None:
         text_format = self.text.format if self.text is not None else None
         return constraint_from_request(text_format.response_format() if text_format is not None else None)
 
     def messages(self) -> list[ChatMessage]:
-        """The conversation the model is prompted with: the instructions as a system message, then the input."""
+        """The conversation the model is prompted with: the instructions as a system message, then the input. A
+        function call joins the assistant turn before it (its text, then its calls, as chat writes one turn)."""
         turns = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
-        return [*turns, *(ChatMessage(role=item.role, content=item.content) for item in self.input)]
+        for item in self.input:
+            if isinstance(item, FunctionCallItem):
+                call = ChatToolCall(
+                    id=item.call_id, type="function", function=ChatFunctionCall(name=item.name, arguments=item.arguments)
+                )
+                if turns and turns[-1].role == "assistant":
+                    turns[-1] = turns[-1].model_copy(update={"tool_calls": [*(turns[-1].tool_calls or []), call]})
+                else:
+                    turns.append(ChatMessage(role="assistant", tool_calls=[call]))
+            elif isinstance(item, FunctionCallOutputItem):
+                turns.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
+            else:
+                turns.append(ChatMessage(role=item.role, content=item.content))
+        return turns
 
     def echoed(self) -> dict[str, Any]:
         """What the response object repeats of its request."""
@@ -155,7 +266,11 @@ class ResponsesBody(StrictBody):
             "metadata": self.metadata or {},
             "user": self.user,
             "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls,
-            "tool_choice": self.tool_choice or "auto",
+            "tool_choice": (
+                self.tool_choice.model_dump() if isinstance(self.tool_choice, FunctionToolChoice) else self.tool_choice
+            )
+            or "auto",
+            "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []],
         }
 
 
@@ -175,6 +290,17 @@ class OutputMessage(BaseModel):
     status: Literal["completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    """A call the model made: the client runs it and sends the result back as a `function_call_output` item."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text
+    status: Literal["completed"] = "completed"
 
 
 class IncompleteDetails(BaseModel):
@@ -212,12 +338,12 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | OutputFunctionCall]
     parallel_tool_calls: bool
     temperature: float | None
     top_p: float | None
-    tool_choice: Literal["none", "auto"]
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, str]
+    tools: list[dict[str, Any]]
     text: ResponseTextFormat = Field(default_factory=ResponseTextFormat)
     truncation: Literal["disabled"] = "disabled"
     metadata: dict[str, str]
@@ -226,24 +352,30 @@ class ResponseObject(BaseModel):
 
 
 def response_object(
-    *, text: str, finish_reason: str, model: str, echoed: dict[str, Any], input_tokens: int, output_tokens: int,
-    cached_tokens: int,
+    *, text: str | None, calls: list[ToolCall], finish_reason: str, model: str, echoed: dict[str, Any],
+    input_tokens: int, output_tokens: int, cached_tokens: int,
 ) -> ResponseObject:
-    """The answer to one /v1/responses line from its one sample: cut by its token limit, it is "incomplete"."""
+    """The answer to one /v1/responses line from its one sample, its text and the calls found in it (tool_calls.py):
+    a message with the text (when there is any, or when there are no calls), then a function_call item per call.
+    Cut by its token limit, it is "incomplete"."""
     complete = finish_reason == "stop"
+    status: Literal["completed", "incomplete"] = "completed" if complete else "incomplete"
+    output: list[OutputMessage | OutputFunctionCall] = []
+    if text or not calls:
+        output.append(OutputMessage(id="msg_" + uuid.uuid4().hex, status=status, content=[OutputText(text=text or "")]))
+    output += [
+        OutputFunctionCall(
+            id="fc_" + uuid.uuid4().hex, call_id=call.id, name=call.function.name, arguments=call.function.arguments
+        )
+        for call in calls
+    ]
     return ResponseObject(
         id="resp_" + uuid.uuid4().hex,
         created_at=int(time.time()),
-        status="completed" if complete else "incomplete",
+        status=status,
         incomplete_details=None if complete else IncompleteDetails(reason="max_output_tokens"),
         model=model,
-        output=[
-            OutputMessage(
-                id="msg_" + uuid.uuid4().hex,
-                status="completed" if complete else "incomplete",
-                content=[OutputText(text=text)],
-            )
-        ],
+        output=output,
         usage=ResponseUsage(
             input_tokens=input_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),

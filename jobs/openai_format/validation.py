@@ -43,6 +43,7 @@ from pydantic_core import ErrorDetails
 
 from engine.admission import AdmissionLimits, AdmissionRefused, admit
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputParams
 from jobs.json_lines import UnreadableLine, load_json_line
 from jobs.openai_format.requests import (
     CHAT_COMPLETIONS,
@@ -62,8 +63,15 @@ from jobs.openai_format.requests import (
 from jobs.openai_format.responses import ErrorCode
 from jobs.openai_format.responses_api import ResponsesBody
 from jobs.openai_format.structured_output import ConstraintRejected
-from jobs.openai_format.tool_calls import Tool, generic_tool_prompt, plan_tool_calls, template_messages
-from jobs.openai_format.tool_syntax import HERMES, detect_call_syntax
+from jobs.openai_format.tool_calls import (
+    Tool,
+    ToolCallPlan,
+    ToolChoice,
+    generic_tool_prompt,
+    plan_tool_calls,
+    template_messages,
+)
+from jobs.openai_format.tool_syntax import HERMES, CallSyntax, detect_call_syntax
 from jobs.served_models import ModelKind, ModelNames
 
 log = logging.getLogger(__name__)
@@ -156,21 +164,15 @@ class BatchLineValidator:
             encoding_format = embedding.encoding_format or "float"
             return EmbeddingRequest(custom_id, embedding.input, encoding_format, embedding.dimensions)
         plan = None
-        echo_text, response_fields, logit_bias = None, None, None
+        echo_texts, response_fields, logit_bias, prompt_logprobs = None, None, None, None
         try:
             if url == CHAT_COMPLETIONS:
                 chat = _parse_body(ChatCompletionBody, body)
                 self._check_model(chat.model, "generation")
-                plan, tool_constraint = plan_tool_calls(
-                    chat.tools, chat.tool_choice, chat.parallel_tool_calls, self._call_syntax or HERMES
+                plan, constraint = _with_tools(
+                    chat.constraint(), chat.tools, chat.tool_choice, chat.parallel_tool_calls, self._call_syntax or HERMES
                 )
-                constraint = chat.constraint()
-                if constraint is not None and tool_constraint is not None:
-                    raise _LineRejected(
-                        "invalid_parameter", "response_format or guided_* cannot be combined with tools a call may use"
-                    )
-                constraint = constraint or tool_constraint
-                prompt_token_ids = self._encode_chat(chat.messages, chat.tools if plan is not None else None)
+                prompts = [self._encode_chat(chat.messages, chat.tools if plan is not None else None)]
                 requested_max_tokens = chat.max_tokens if chat.max_completion_tokens is None else chat.max_completion_tokens
                 default_max_tokens = None
                 logprobs = _chat_logprobs_count(chat)
@@ -179,8 +181,15 @@ class BatchLineValidator:
             elif url == RESPONSES:
                 responses = _parse_body(ResponsesBody, body)
                 self._check_model(responses.model, "generation")
-                constraint = responses.constraint()
-                prompt_token_ids = self._encode_chat(responses.messages(), None)
+                tools = responses.chat_tools()
+                plan, constraint = _with_tools(
+                    responses.constraint(),
+                    tools,
+                    responses.chat_tool_choice(),
+                    responses.parallel_tool_calls if tools else None,  # without tools it asks nothing
+                    self._call_syntax or HERMES,
+                )
+                prompts = [self._encode_chat(responses.messages(), tools if plan is not None else None)]
                 requested_max_tokens = responses.max_output_tokens
                 default_max_tokens = None
                 logprobs = None
@@ -190,40 +199,45 @@ class BatchLineValidator:
                 completion = _parse_body(CompletionBody, body)
                 self._check_model(completion.model, "generation")
                 constraint = completion.constraint()
-                prompt_token_ids = self._encode_prompt(completion.prompt)
+                prompts = [self._encode_prompt(prompt) for prompt in completion.prompt]
                 requested_max_tokens = completion.max_tokens
                 default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
                 logprobs = completion.logprobs
                 sampling = completion.sampling_kwargs()
-                echo_text = self._echo_text(completion) if completion.echo else None
+                echo_texts = self._echo_texts(completion) if completion.echo else None
+                # Echo with logprobs reports the prompt tokens' log-probs too (as many alternatives as the completion's).
+                prompt_logprobs = completion.logprobs if completion.echo else None
                 logit_bias = completion.logit_bias
         except ConstraintRejected as rejected:
             raise _LineRejected(rejected.code, rejected.message) from None
         self._check_vocabulary("stop_token_ids", sampling.get("stop_token_ids", []))
-        max_tokens = self._fit_max_tokens(len(prompt_token_ids), requested_max_tokens, default_max_tokens)
+        # The prompts of one line share their parameters, fitted to the longest: what fits it fits every one.
+        longest = max(len(prompt) for prompt in prompts)
+        max_tokens = self._fit_max_tokens(longest, requested_max_tokens, default_max_tokens)
         try:
             bias = self._logit_bias(logit_bias)
             params = SamplingParams(
-                **sampling, max_tokens=max_tokens, logprobs=logprobs, structured_output=constraint, logit_bias=bias
+                **sampling,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                structured_output=constraint,
+                logit_bias=bias,
             )
         except ValueError as invalid:
             raise _LineRejected("invalid_parameter", str(invalid)) from None
         if self._limits is not None:
             try:
-                params = admit(len(prompt_token_ids), params, self._limits)
+                params = admit(longest, params, self._limits)
             except AdmissionRefused as refused:
                 raise _LineRejected("request_too_large", str(refused)) from None
-        return BatchRequest(custom_id, url, prompt_token_ids, params, echo_text, response_fields, plan)
+        return BatchRequest(custom_id, url, prompts, params, echo_texts, response_fields, plan)
 
-    def _echo_text(self, completion: CompletionBody) -> str:
-        if completion.logprobs is not None:
-            raise _LineRejected(
-                "invalid_parameter",
-                "echo with logprobs is not supported: the engine does not compute the prompt tokens' logprobs; "
-                "leave out logprobs, or echo",
-            )
-        prompt = completion.prompt
-        return prompt if isinstance(prompt, str) else self._tokenizer.decode(prompt, skip_special_tokens=False)
+    def _echo_texts(self, completion: CompletionBody) -> list[str]:
+        return [
+            prompt if isinstance(prompt, str) else self._tokenizer.decode(prompt, skip_special_tokens=False)
+            for prompt in completion.prompt
+        ]
 
     def _check_model(self, name: str | None, kind: ModelKind) -> None:
         if name is None:
@@ -363,6 +377,24 @@ def _describe(error: ErrorDetails) -> str:
             return f"invalid '{where}': {error['ctx']['error']}"
         case _:
             return f"invalid '{where}': {error['msg']}"
+
+
+def _with_tools(
+    constraint: StructuredOutputParams | None,
+    tools: list[Tool] | None,
+    tool_choice: ToolChoice | None,
+    parallel_tool_calls: bool | None,
+    syntax: CallSyntax,
+) -> tuple[ToolCallPlan | None, StructuredOutputParams | None]:
+    """The line's tool plan, and its one output constraint: the format it asks for, or its tool calls' in the
+    template's `syntax` (tool_calls.py)."""
+    plan, tool_constraint = plan_tool_calls(tools, tool_choice, parallel_tool_calls, syntax)
+    if constraint is not None and tool_constraint is not None:
+        raise _LineRejected(
+            "invalid_parameter",
+            "an output format (response_format, text.format or guided_*) cannot be combined with tools a call may use",
+        )
+    return plan, constraint or tool_constraint
 
 
 def _chat_logprobs_count(chat: ChatCompletionBody) -> int | None:

@@ -42,41 +42,43 @@ class GenerationKind(OpenAILinesKind):
     def run_chunk(self, batch: Batch, chunk_index: int, lines: Sequence[tuple[LineNumber, bytes]]) -> ChunkResult:
         records, requests = self.checked_lines(batch, lines)
         run_id = secrets.token_hex(4)  # keeps engine request ids unique should a lapsed lease let this chunk run twice
-        submitted: list[tuple[BatchRequest, RequestHandle]] = []
+        submitted: list[tuple[BatchRequest, list[RequestHandle]]] = []
         for line_number, request in requests:
             assert isinstance(request, BatchRequest)  # the batch's endpoint generates
-            handle = self.engine.loop.submit(
-                request.prompt_token_ids,
-                request.sampling_params,
-                request_id=f"{batch.id}/{chunk_index}/{line_number}/{run_id}",
-                priority=batch.priority,
-            )
-            submitted.append((request, handle))
+            handles = [
+                self.engine.loop.submit(
+                    prompt,
+                    request.sampling_params,
+                    request_id=f"{batch.id}/{chunk_index}/{line_number}/{run_id}/{prompt_index}",
+                    priority=batch.priority,
+                )
+                for prompt_index, prompt in enumerate(request.prompts)
+            ]
+            submitted.append((request, handles))
         records += self._generation_records(batch.id, batch.model or self.engine.model_name, submitted)
         return records_result(records)
 
     def _generation_records(
-        self, batch_id: str, model: str, submitted: list[tuple[BatchRequest, RequestHandle]]
+        self, batch_id: str, model: str, submitted: list[tuple[BatchRequest, list[RequestHandle]]]
     ) -> list[BatchOutputLine]:
         """The records of the requests submitted to the engine, once all have finished or the batch was stopped."""
-        stopped = self._await_or_abort(batch_id, [handle for _, handle in submitted])
+        stopped = self._await_or_abort(batch_id, [handle for _, handles in submitted for handle in handles])
         records: list[BatchOutputLine] = []
-        for request, handle in submitted:
+        for request, handles in submitted:
             try:
-                result = handle.result()
+                results = [handle.result() for handle in handles]
             except ValueError as refused:  # the engine refused the request itself; only this line fails
                 records.append(error_record(LineError(request.custom_id, "invalid_parameter", str(refused))))
                 continue
             except Exception as failed:  # a step that failed blamed this request (engine/admission.StepFailed)
                 records.append(error_record(LineError(request.custom_id, "generation_failed", str(failed))))
                 continue
-            if stopped is not None and any(sample.finish_reason == "abort" for sample in result.outputs):
+            aborted = any(sample.finish_reason == "abort" for result in results for sample in result.outputs)
+            if stopped is not None and aborted:
                 if stopped == StopReason.expired:  # when cancelled, as OpenAI: only what finished is reported
                     records.append(expired_record(request.custom_id))
                 continue
-            records.append(
-                response_record(request, result, model=model, tokenizer=self.engine.tokenizer)
-            )
+            records.append(response_record(request, results, model=model, tokenizer=self.engine.tokenizer))
         return records
 
     def _await_or_abort(self, batch_id: str, handles: list[RequestHandle]) -> StopReason | None:

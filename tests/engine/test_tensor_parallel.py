@@ -75,12 +75,20 @@ def test_tp2_matches_hf_with_swap_and_prefix_caching(random_case) -> None:
         sampled = SamplingParams(n=3, temperature=0.8, top_p=0.9, max_tokens=8, seed=7, ignore_eos=True)
         beams = SamplingParams(n=2, use_beam_search=True, beam_width=3, temperature=0.0, max_tokens=8)
         sharded = [llm.generate(prompts[:3], params, use_tqdm=False) for params in (sampled, beams)]
+        # Prompt log-probs: every rank projects the same prompt rows (a collective), rank 0 scores them.
+        scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+        sharded_scores = [o.prompt_logprobs for o in llm.generate(prompts[:2], scored, use_tqdm=False)]
     finally:
         llm.engine.close()
     whole = LLM(str(folder), dtype="float32", device="cpu", **FORCED)
     for params, got in zip((sampled, beams), sharded):
         want = whole.generate(prompts[:3], params, use_tqdm=False)
         assert [[s.token_ids for s in o.outputs] for o in got] == [[s.token_ids for s in o.outputs] for o in want]
+    for got_scores, want in zip(sharded_scores, whole.generate(prompts[:2], scored, use_tqdm=False)):
+        assert got_scores is not None and want.prompt_logprobs is not None and got_scores[0] is None
+        for got_entry, want_entry in zip(got_scores[1:], want.prompt_logprobs[1:], strict=True):
+            assert got_entry is not None and want_entry is not None and got_entry.keys() == want_entry.keys()
+            assert [got_entry[token] for token in want_entry] == pytest.approx(list(want_entry.values()), abs=1e-4)
 
 
 def test_tp3_smollm2_through_conveyor_run_matches_tp1_and_hf(smollm2_case, tmp_path: Path) -> None:

@@ -103,7 +103,7 @@ def assert_answered(result: object) -> None:
         record = json.loads(error_record(result).model_dump_json())
         assert record["response"] is None and record["error"]["message"]
     elif isinstance(result, BatchRequest):
-        assert 0 < len(result.prompt_token_ids) < MAX_MODEL_LEN
+        assert all(0 < len(prompt) < MAX_MODEL_LEN for prompt in result.prompts)
         assert result.sampling_params.num_sequences <= 128
 
 

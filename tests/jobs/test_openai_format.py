@@ -148,8 +148,8 @@ def test_lines_without_a_readable_custom_id_are_rejected(line: str | bytes, code
         # completion bodies
         (raw_line(custom_id="a", method="POST", url=COMPLETIONS, body={"max_tokens": 3}), "invalid_body",
          "missing required parameter 'body.prompt'"),
-        (completion_line("a", prompt=["one", "two"]), "invalid_body", "exactly one prompt"),
-        (completion_line("a", prompt=[[1, 2], [3, 4]]), "invalid_body", "exactly one prompt"),
+        (completion_line("a", prompt=["one", 5]), "invalid_body", "string or a list of token ids"),
+        (completion_line("a", prompt=[[1, 2], [3, -4]]), "invalid_body", "string or a list of token ids"),
         (completion_line("a", prompt={"text": "x"}), "invalid_body", "string or a list of token ids"),
         (completion_line("a", prompt=[1, True]), "invalid_body", "string or a list of token ids"),
         (completion_line("a", prompt=[1, -2]), "invalid_body", "string or a list of token ids"),
@@ -157,7 +157,6 @@ def test_lines_without_a_readable_custom_id_are_rejected(line: str | bytes, code
         (completion_line("a", prompt=[5, VOCAB_SIZE + 1]), "invalid_parameter", "outside the vocabulary"),
         (completion_line("a", logprobs=6), "invalid_parameter", "'body.logprobs'"),
         (completion_line("a", logprobs=True), "invalid_body", "'body.logprobs'"),
-        (completion_line("a", echo=True, logprobs=1), "invalid_parameter", "echo with logprobs is not supported"),
         (completion_line("a", stream=True), "invalid_body", "stream=true is not supported"),
         (chat_line("a", stream=True), "invalid_body", "stream=true is not supported"),
         (chat_line("a", service_tier="fastest"), "invalid_body", "'body.service_tier'"),
@@ -245,7 +244,7 @@ def test_an_explicit_max_tokens_that_exactly_fits_is_kept() -> None:
 
 def test_chat_without_max_tokens_may_use_the_rest_of_the_context() -> None:
     request = accepted(validator(max_model_len=64).validate(chat_line("a")))
-    assert len(request.prompt_token_ids) == 4
+    assert [len(prompt) for prompt in request.prompts] == [4]
     assert request.sampling_params.max_tokens == 60
 
 
@@ -285,7 +284,7 @@ def test_a_chat_line_maps_every_sampling_field() -> None:
     assert request.custom_id == "chat"
     assert request.url == CHAT_COMPLETIONS
     # "[system] be brief [user] hi [assistant]", encoded without BOS: the template wrote the special tokens
-    assert request.prompt_token_ids == [18, 12, 15, 16, 12, 21]
+    assert request.prompts == [[18, 12, 15, 16, 12, 21]]
     assert request.sampling_params == SamplingParams(
         n=2, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11, max_tokens=20, min_tokens=2,
         stop=["END"], stop_token_ids=[7, 8], ignore_eos=True, repetition_penalty=1.1,
@@ -314,7 +313,7 @@ def test_text_parts_are_joined_and_the_developer_role_reads_as_system() -> None:
         {"role": "user", "content": [{"type": "text", "text": "a b"}, {"type": "text", "text": "c"}]},
     ]
     request = accepted(validator().validate(chat_line("a", messages=messages)))
-    assert request.prompt_token_ids == WordTokenizer().encode("[system] terse [user] a b\nc [assistant]", False)
+    assert request.prompts == [WordTokenizer().encode("[system] terse [user] a b\nc [assistant]", False)]
 
 
 def test_integers_are_accepted_where_numbers_are_expected() -> None:
@@ -330,7 +329,7 @@ def test_a_completion_line_maps_its_prompt_and_fields() -> None:
     line = completion_line("c", prompt="one two", max_tokens=8, temperature=0, logprobs=2, stop=["x", "y"], echo=False)
     request = accepted(validator().validate(line))
     assert request.url == COMPLETIONS
-    assert request.prompt_token_ids == [BOS_ID, 13, 13]  # text prompts are encoded with special tokens
+    assert request.prompts == [[BOS_ID, 13, 13]]  # text prompts are encoded with special tokens
     assert request.sampling_params == SamplingParams(temperature=0.0, max_tokens=8, stop=["x", "y"], logprobs=2)
 
 
@@ -346,11 +345,17 @@ def test_best_of_and_beam_search_fields_reach_the_engine() -> None:
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
 def test_token_id_prompts_are_used_as_they_are(prompt: list[Any]) -> None:
-    assert accepted(validator().validate(completion_line("a", prompt=prompt))).prompt_token_ids == [5, 6, 7]
+    assert accepted(validator().validate(completion_line("a", prompt=prompt))).prompts == [[5, 6, 7]]
 
 
 def test_a_one_element_list_of_text_is_a_single_prompt() -> None:
-    assert accepted(validator().validate(completion_line("a", prompt=["one two"]))).prompt_token_ids == [1, 13, 13]
+    assert accepted(validator().validate(completion_line("a", prompt=["one two"]))).prompts == [[1, 13, 13]]
+
+
+def test_a_list_of_prompts_runs_each_with_the_parameters_fitted_to_the_longest() -> None:
+    request = accepted(validator(max_model_len=10).validate(completion_line("a", prompt=["one", [5, 6, 7, 8], "a b"])))
+    assert request.prompts == [[BOS_ID, 13], [5, 6, 7, 8], [BOS_ID, 11, 11]]
+    assert request.sampling_params.max_tokens == 6  # the default 16, cut to what the longest prompt leaves
 
 
 def test_lines_may_arrive_as_bytes() -> None:
@@ -383,6 +388,7 @@ class FakeResult:
     outputs: list[FakeSample] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def as_json(record: Any) -> dict[str, Any]:
@@ -407,7 +413,7 @@ def test_an_error_record_for_an_unreadable_line_has_a_null_custom_id() -> None:
 def test_a_chat_response_is_shaped_like_openai_chat_completion() -> None:
     request = accepted(validator().validate(chat_line("chat", max_tokens=5)))
     result = FakeResult([1, 2, 3, 4], [FakeSample(0, "Hello!", [30, 31], "stop")])
-    record = as_json(response_record(request, result, model="smollm2", tokenizer=WordTokenizer()))
+    record = as_json(response_record(request, [result], model="smollm2", tokenizer=WordTokenizer()))
 
     assert record["id"].startswith("batch_req_")
     assert record["custom_id"] == "chat"
@@ -440,7 +446,7 @@ def test_chat_logprobs_list_exactly_top_logprobs_alternatives_best_first() -> No
     # The second token was sampled from outside the top 2, so the engine reported it as a third entry.
     logprobs = [{30: -0.1, 40: -2.5, 41: -3.0}, {42: -0.2, 43: -0.9, 31: -4.0}]
     result = FakeResult([1, 2], [FakeSample(0, "ab", [30, 31], "length", logprobs)])
-    choice = as_json(response_record(request, result, model="m", tokenizer=WordTokenizer()))["response"]["body"][
+    choice = as_json(response_record(request, [result], model="m", tokenizer=WordTokenizer()))["response"]["body"][
         "choices"
     ][0]
     assert choice["finish_reason"] == "length"
@@ -467,7 +473,7 @@ def test_chat_logprobs_list_exactly_top_logprobs_alternatives_best_first() -> No
 def test_chat_logprobs_true_alone_gives_empty_alternatives() -> None:
     request = accepted(validator().validate(chat_line("chat", logprobs=True)))
     result = FakeResult([1], [FakeSample(0, "a", [30], "stop", [{30: -0.5}])])
-    choice = as_json(response_record(request, result, model="m", tokenizer=WordTokenizer()))["response"]["body"][
+    choice = as_json(response_record(request, [result], model="m", tokenizer=WordTokenizer()))["response"]["body"][
         "choices"
     ][0]
     assert choice["logprobs"]["content"] == [{"token": "<30>", "logprob": -0.5, "bytes": list(b"<30>"),
@@ -477,7 +483,7 @@ def test_chat_logprobs_true_alone_gives_empty_alternatives() -> None:
 def test_several_samples_become_choices_in_index_order_and_usage_counts_them_all() -> None:
     request = accepted(validator().validate(chat_line("chat", n=2)))
     result = FakeResult([1, 2, 3], [FakeSample(1, "second", [5, 6, 7], "length"), FakeSample(0, "first", [5], "stop")])
-    body = as_json(response_record(request, result, model="m", tokenizer=WordTokenizer()))["response"]["body"]
+    body = as_json(response_record(request, [result], model="m", tokenizer=WordTokenizer()))["response"]["body"]
     assert [(choice["index"], choice["message"]["content"]) for choice in body["choices"]] == [
         (0, "first"),
         (1, "second"),
@@ -488,7 +494,7 @@ def test_several_samples_become_choices_in_index_order_and_usage_counts_them_all
 def test_a_completion_response_is_shaped_like_openai_text_completion() -> None:
     request = accepted(validator().validate(completion_line("text")))
     result = FakeResult([1, 13], [FakeSample(0, " and more", [20, 21], "length")])
-    body = as_json(response_record(request, result, model="smollm2", tokenizer=WordTokenizer()))["response"]["body"]
+    body = as_json(response_record(request, [result], model="smollm2", tokenizer=WordTokenizer()))["response"]["body"]
     assert body["id"].startswith("cmpl-")
     assert body == {
         "id": body["id"],
@@ -504,7 +510,7 @@ def test_completion_logprobs_use_the_legacy_parallel_lists() -> None:
     request = accepted(validator().validate(completion_line("text", logprobs=1)))
     logprobs = [{100: -0.3, 200: -1.5}, {7: -0.1}]
     result = FakeResult([1], [FakeSample(0, "<100><7>", [100, 7], "stop", logprobs)])
-    choice = as_json(response_record(request, result, model="m", tokenizer=WordTokenizer()))["response"]["body"][
+    choice = as_json(response_record(request, [result], model="m", tokenizer=WordTokenizer()))["response"]["body"][
         "choices"
     ][0]
     assert choice["logprobs"] == {
@@ -515,10 +521,25 @@ def test_completion_logprobs_use_the_legacy_parallel_lists() -> None:
     }
 
 
+def test_several_prompts_give_choices_in_openai_order_and_usage_sums_them() -> None:
+    request = accepted(validator().validate(completion_line("p", prompt=["one", "two three"], n=2, echo=True)))
+    first = FakeResult([BOS_ID, 13], [FakeSample(1, " b", [21], "stop"), FakeSample(0, " a", [20], "stop")], 1)
+    second = FakeResult([BOS_ID, 13, 15], [FakeSample(0, " c", [22, 23], "length"), FakeSample(1, " d", [24], "stop")])
+    body = as_json(response_record(request, [first, second], model="m", tokenizer=WordTokenizer()))["response"]["body"]
+    assert [(choice["index"], choice["text"]) for choice in body["choices"]] == [
+        (0, "one a"), (1, "one b"), (2, "two three c"), (3, "two three d"),
+    ]  # index = prompt_index * n + sample_index
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
+    aborted = FakeResult([BOS_ID, 13, 15], [FakeSample(0, "", [], "abort"), FakeSample(1, "", [], "abort")])
+    record = as_json(response_record(request, [first, aborted], model="m", tokenizer=WordTokenizer()))
+    assert record["error"]["code"] == "generation_aborted"  # a line is answered whole or not at all
+
+
 def test_an_aborted_request_becomes_an_error_record() -> None:
     request = accepted(validator().validate(completion_line("text")))
     result = FakeResult([1], [FakeSample(0, "par", [5], "abort")])
-    record = as_json(response_record(request, result, model="m", tokenizer=WordTokenizer()))
+    record = as_json(response_record(request, [result], model="m", tokenizer=WordTokenizer()))
     assert record["custom_id"] == "text"
     assert record["response"] is None
     assert record["error"]["code"] == "generation_aborted"
@@ -533,7 +554,7 @@ def test_fields_that_change_nothing_in_a_batch_are_accepted() -> None:
             )
         )
     )
-    assert (noted.prompt_token_ids, noted.sampling_params) == (plain.prompt_token_ids, plain.sampling_params)
+    assert (noted.prompts, noted.sampling_params) == (plain.prompts, plain.sampling_params)
     assert accepted(validator().validate(completion_line("c", stream=False))).sampling_params.max_tokens == 16
 
 
@@ -545,13 +566,32 @@ class NamingTokenizer(WordTokenizer):
 def test_a_message_name_reaches_the_chat_template() -> None:
     lines = BatchLineValidator(NamingTokenizer(), 64, models=SERVED)
     line = chat_line("named", messages=[{"role": "user", "content": "hi", "name": "ada"}])
-    assert accepted(lines.validate(line)).prompt_token_ids == WordTokenizer().encode("[user:ada] hi", False)
+    assert accepted(lines.validate(line)).prompts == [WordTokenizer().encode("[user:ada] hi", False)]
 
 
 def test_echo_puts_the_prompt_before_each_choice() -> None:
     request = accepted(validator().validate(completion_line("e", prompt="one two", echo=True, n=2)))
     result = FakeResult([BOS_ID, 5, 6], [FakeSample(0, " three", [7], "stop"), FakeSample(1, " four", [8], "length")])
-    body = as_json(response_record(request, result, model="m", tokenizer=WordTokenizer()))["response"]["body"]
+    body = as_json(response_record(request, [result], model="m", tokenizer=WordTokenizer()))["response"]["body"]
     assert [choice["text"] for choice in body["choices"]] == ["one two three", "one two four"]
     by_ids = accepted(validator().validate(completion_line("i", prompt=[5, 6], echo=True)))
-    assert by_ids.echo_text == "<5><6>"  # token-id prompts echo their decoded text
+    assert by_ids.echo_texts == ["<5><6>"]  # token-id prompts echo their decoded text
+
+
+def test_echo_with_logprobs_reports_the_prompt_tokens_first_as_openai_does() -> None:
+    request = accepted(validator().validate(completion_line("e", prompt=[5, 6], echo=True, logprobs=1)))
+    assert (request.sampling_params.logprobs, request.sampling_params.prompt_logprobs) == (1, 1)
+    assert accepted(validator().validate(completion_line("l", logprobs=1))).sampling_params.prompt_logprobs is None
+    prompt_logprobs = [None, {6: -2.0, 9: -0.5}]  # the engine's: the prompt token's own, then the top alternatives
+    sample = FakeSample(0, "<7>", [7], "stop", [{7: -0.25}])
+    result = FakeResult([5, 6], [sample], prompt_logprobs=prompt_logprobs)
+    choice = as_json(response_record(request, [result], model="m", tokenizer=WordTokenizer()))["response"]["body"][
+        "choices"
+    ][0]
+    assert choice["text"] == "<5><6><7>"
+    assert choice["logprobs"] == {
+        "tokens": ["<5>", "<6>", "<7>"],
+        "token_logprobs": [None, -2.0, -0.25],
+        "top_logprobs": [None, {"<9>": -0.5, "<6>": -2.0}, {"<7>": -0.25}],
+        "text_offset": [0, 3, 6],
+    }

@@ -70,13 +70,16 @@ def test_generation_answers_every_line(engine: EngineHandle, stop_flags: StopFla
     job = batch("/v1/completions")
     lines = [
         (1, line("a", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "The capital of France is", "max_tokens": 4})),
-        (3, line("b", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "One, two,", "max_tokens": 3, "temperature": 0})),
+        (3, line("b", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": ["One, two,", "Red, green,"],
+                                          "max_tokens": 3, "temperature": 0, "ignore_eos": True})),
     ]
     result = kind.run_chunk(job, 0, lines)
     assert (result.completed, result.failed, result.errors) == (2, 0, b"")
     answers = jsonl(result.output)
     assert [answer["custom_id"] for answer in answers] == ["a", "b"]
-    assert answers[1]["response"]["body"]["usage"]["completion_tokens"] == 3
+    two_prompts = answers[1]["response"]["body"]  # one engine request per prompt, one choice each
+    assert [choice["index"] for choice in two_prompts["choices"]] == [0, 1]
+    assert two_prompts["usage"]["completion_tokens"] == 6
 
 
 def test_generation_checks_lines_for_validate(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:

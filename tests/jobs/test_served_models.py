@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 
 import pytest
 from redis import Redis
@@ -62,6 +63,31 @@ def test_the_registry_lists_every_worker_model_and_routes_validation_to_its_work
         assert here.queues() == ["gpu.smollm2", "gpu.all-minilm-l6-v2"]
         names = listed_names(registry.served(), {"gpt-4o-mini": "tiny", "dangling": "nobody"})
         assert sorted(names) == ["all-minilm-l6-v2", "gpt-4o-mini", "smollm2", "tiny", "tiny-llama"]
-        assert json.loads(redis.hget(f"{prefix}served_models", "tiny"))["kind"] == "generation"
+        assert json.loads(redis.get(f"{prefix}served_model:tiny"))["kind"] == "generation"
     finally:
-        redis.delete(f"{prefix}served_models")
+        redis.delete(*redis.keys(f"{prefix}*") or [f"{prefix}none"])
+
+
+def test_a_model_leaves_the_registry_once_no_worker_re_announces_it() -> None:
+    redis = Redis.from_url("redis://127.0.0.1:6379/0")
+    prefix = f"test-{secrets.token_hex(4)}:"
+    try:
+        # Long enough that a beat delayed by a loaded machine (up to 0.5 s) does not let "stays" lapse.
+        registry = ModelRegistry(redis, prefix, ttl_seconds=0.8)
+        stays = process_models(["stays"], "embedder")
+        heartbeat = registry.keep_announcing(stays)  # re-announces every 0.27 s
+        try:
+            registry.announce(process_models(["stops"], "embedder"))  # a worker that stops right away
+            created = {model.id: model.created for model in registry.served()}
+            assert sorted(created) == ["embedder", "stays", "stops"]
+            time.sleep(1.6)  # two TTLs: "stops" has lapsed, the heartbeat kept the others
+            assert {model.id: model.created for model in registry.served()} == {
+                "embedder": created["embedder"], "stays": created["stays"],  # re-announcing keeps `created`
+            }
+            assert not redis.sismember(f"{prefix}served_model_ids", "stops")  # pruned from the listing's set
+        finally:
+            heartbeat.stop()
+        time.sleep(0.9)  # the last worker stopped: everything lapses within the TTL
+        assert registry.served() == []
+    finally:
+        redis.delete(*redis.keys(f"{prefix}*") or [f"{prefix}none"])

@@ -163,7 +163,7 @@ def test_tool_calls_are_answered_as_openai_does():
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}\n</tool_call>'
     )
     result = FakeResult([1, 2], [FakeSample(0, text, [5] * 30, "stop")])
-    body = json.loads(response_record(request, result, model="m", tokenizer=None).model_dump_json())["response"]["body"]
+    body = json.loads(response_record(request, [result], model="m", tokenizer=None).model_dump_json())["response"]["body"]
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] is None
@@ -179,7 +179,7 @@ def test_tool_calls_are_answered_as_openai_does():
 def test_an_answer_without_calls_is_plain_content():
     request = check(chat_line(tools=[WEATHER_TOOL]))
     result = FakeResult([1, 2], [FakeSample(0, "It is sunny.", [5, 6], "stop")])
-    body = json.loads(response_record(request, result, model="m", tokenizer=None).model_dump_json())["response"]["body"]
+    body = json.loads(response_record(request, [result], model="m", tokenizer=None).model_dump_json())["response"]["body"]
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
     assert body["choices"][0]["finish_reason"] == "stop"
 
@@ -187,5 +187,5 @@ def test_an_answer_without_calls_is_plain_content():
 def test_a_constraint_the_engine_cannot_compile_fails_its_line():
     request = check(completion_line(guided_regex="(unclosed"))
     result = FakeResult([1, 2], [FakeSample(0, "", [], "abort")], error="cannot compile the regex constraint: ...")
-    record = json.loads(response_record(request, result, model="m", tokenizer=None).model_dump_json())
+    record = json.loads(response_record(request, [result], model="m", tokenizer=None).model_dump_json())
     assert record["error"]["code"] == "invalid_parameter" and "regex" in record["error"]["message"]

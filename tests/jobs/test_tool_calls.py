@@ -180,8 +180,8 @@ def run_line(llm: LLM, line: str, tokenizer: Tokenizer | None = None) -> dict:
     and answered."""
     request = BatchLineValidator(tokenizer or llm.tokenizer, llm.max_model_len, models=SERVED).validate(line)
     assert isinstance(request, BatchRequest), request
-    result = llm.generate([request.prompt_token_ids], [request.sampling_params], use_tqdm=False)[0]
-    record = response_record(request, result, model=llm.model_name, tokenizer=llm.tokenizer)
+    result = llm.generate(request.prompts, [request.sampling_params], use_tqdm=False)[0]
+    record = response_record(request, [result], model=llm.model_name, tokenizer=llm.tokenizer)
     assert record.error is None, record.error
     return json.loads(record.model_dump_json())["response"]["body"]["choices"][0]
 
@@ -214,7 +214,7 @@ def assert_prompt_equals_transformers(folder: Path, messages: list[dict]) -> str
     tokenizer = Tokenizer.from_folder(folder)
     request = BatchLineValidator(tokenizer, 2048, models=SERVED).validate(chat_body(messages))
     assert isinstance(request, BatchRequest), request
-    assert request.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    assert request.prompts == [tokenizer.encode(expected, add_special_tokens=False)]
     return expected
 
 
@@ -286,7 +286,7 @@ def smollm2_llm(smollm2_folder) -> LLM:
 def test_smollm2_generic_format_required_named_and_auto(smollm2_llm):
     assert "<tool_call>" not in (smollm2_llm.tokenizer.chat_template or "")  # no native tool format
     request = BatchLineValidator(smollm2_llm.tokenizer, smollm2_llm.max_model_len, models=SERVED).validate(chat_body(CONVERSATION))
-    prompt = smollm2_llm.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
+    prompt = smollm2_llm.tokenizer.decode(request.prompts[0], skip_special_tokens=False)
     assert "You can call these functions" in prompt and '"name": "get_weather"' in prompt
 
     required = run_line(smollm2_llm, chat_body(CONVERSATION, tool_choice="required"))
