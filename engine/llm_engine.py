@@ -105,7 +105,7 @@ class LLMEngine:
 
         spec = ShardSpec(source, self.model_config, self.config, self.device, self.dtype, self.kernel_backend)
         tp_size = self.config.tensor_parallel_size
-        rank_model_config(self.model_config, tp_size)  # not divisible, or MoE: fail before starting any process
+        rank_model_config(self.model_config, tp_size)  # sizes not divisible: fail before starting any process
         ranks = TensorParallelRanks(spec) if tp_size > 1 else None
         try:
             shard = build_model_shard(spec, ranks.group if ranks is not None else SINGLE)
