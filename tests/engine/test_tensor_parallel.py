@@ -237,8 +237,12 @@ def test_each_rank_holds_its_slice_of_every_expert_and_their_outputs_sum_to_the_
         assert [block.group.all_reduces for block in blocks] == [[x.shape]] * size  # one collective per block
 
 
+TWO_GPUS = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_tp2_mixture_of_experts_matches_hf(kind, tmp_path: Path) -> None:
+def test_tp2_mixture_of_experts_matches_hf(kind, device, tmp_path: Path) -> None:
     import transformers
 
     folder = save_random_hf_model(kind, tmp_path / kind)
@@ -246,7 +250,7 @@ def test_tp2_mixture_of_experts_matches_hf(kind, tmp_path: Path) -> None:
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(5, 30))] for _ in range(4)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     expected = hf_greedy(hf, prompts, MAX_TOKENS, eos=None)
-    llm = LLM(str(folder), dtype="float32", device="cpu", tensor_parallel_size=2)
+    llm = LLM(str(folder), dtype="float32", device=device, tensor_parallel_size=2)
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     finally:
