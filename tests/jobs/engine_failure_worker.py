@@ -10,12 +10,8 @@ import sys
 import time
 
 from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from jobs.celery_app import celery_app
 from jobs.settings import Settings
-from jobs.tasks import register_tasks
-from jobs.worker import consume, stop_this_worker
 
 RUNNING = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
@@ -39,6 +35,12 @@ class RankKillingPipeline:
 
 
 def main(model: str, queue: str) -> int:
+    # Imported here, not above: the engine's rank process imports this module again, and needs none of them.
+    from engine.llm_engine import LLMEngine
+    from jobs.celery_app import celery_app
+    from jobs.tasks import register_tasks
+    from jobs.worker import consume, stop_this_worker
+
     settings = Settings.from_env()
     loop = EngineLoop.build(
         lambda: LLMEngine(model, dtype="float32", device="cpu", tensor_parallel_size=2), on_failure=stop_this_worker
