@@ -259,13 +259,15 @@ class EngineLoop:
         with self._wakeup:
             self.failure = failure
             commands, self._commands = self._commands, []
-        if self._on_failure is not None:
-            self._on_failure(failure)
-        for command in commands:
-            if isinstance(command, _Submit):
-                command.handle._fail(failure)
-            elif isinstance(command, _ReadStats):
-                command.answer.set_exception(failure)
-        for handle in self._handles.values():
-            handle._fail(failure)
-        self._handles.clear()
+        try:
+            if self._on_failure is not None:
+                self._on_failure(failure)
+        finally:  # whatever the callback did, no caller may be left waiting
+            for command in commands:
+                if isinstance(command, _Submit):
+                    command.handle._fail(failure)
+                elif isinstance(command, _ReadStats):
+                    command.answer.set_exception(failure)
+            for handle in self._handles.values():
+                handle._fail(failure)
+            self._handles.clear()
