@@ -272,8 +272,9 @@ def _worker(args: argparse.Namespace) -> int:
             ],
         )
     settings = replace(settings, engine_options={**settings.engine_options, "tensor_parallel_size": size})
-    run_worker(settings, queues=args.queues.split(",") if args.queues else None, loglevel=args.loglevel, node_name=args.node_name)
-    return 0
+    return run_worker(
+        settings, queues=args.queues.split(",") if args.queues else None, loglevel=args.loglevel, node_name=args.node_name
+    )
 
 
 def _add_beat_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

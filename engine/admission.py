@@ -13,7 +13,9 @@ the operator set `default_max_tokens`; an operator's `max_tokens_limit` caps bot
 explicit value, so a small model that loops cannot generate for hours unnoticed.
 
 A step that still fails (out of memory, a kernel error) raises `StepFailed` naming the costliest request of
-that step: the engine loop aborts that request with the error and steps on with the others.
+that step: the engine loop aborts that request with the error and steps on with the others. A step that fails
+because the engine itself can never step again (`EngineFailed`: a tensor-parallel rank died) is blamed on no
+request: whoever drives the engine gives its requests' work back and replaces the engine.
 """
 
 from __future__ import annotations
@@ -106,3 +108,9 @@ class StepFailed(Exception):
                          "it was aborted so that the requests beside it could continue")
         self.request_id = request_id
         self.cause = cause
+
+
+class EngineFailed(RuntimeError):
+    """The engine can never step again (a tensor-parallel rank died or stopped answering). No request is to blame:
+    every request in it is lost with it, and must be given back to be run by another engine, not recorded as failed.
+    Defined here, beside `StepFailed`, so that job code can tell the two apart without importing the engine."""

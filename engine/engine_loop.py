@@ -4,6 +4,11 @@ Only the loop thread touches the engine. Other threads hand it commands through 
 by a condition variable, so a submit never waits for a step to finish, and the loop sleeps only
 when there is nothing at all to do. This is how one GPU worker feeds a single engine from many
 concurrent tasks, keeping the running batch full across task boundaries.
+
+An engine that can never step again (`EngineFailed`: a tensor-parallel rank died, noticed by a step or, while
+idle, by a health check every `HEALTH_CHECK_SECONDS`) ends the loop: `on_failure` is called first (the worker
+stops taking work), then every request in flight or queued fails with that error, and so does every later
+submit or stats call. `failure` holds it.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from engine.admission import StepFailed
+from engine.admission import EngineFailed, StepFailed
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 _END_OF_STREAM = None
+# How often an idle loop asks the engine whether it can still step: a dead rank is noticed this fast with no work.
+HEALTH_CHECK_SECONDS = 1.0
 
 
 class RequestHandle:
@@ -82,13 +89,15 @@ class _ReadStats:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_failure: Callable[[EngineFailed], None] | None = None) -> None:
         self.engine = engine
         self._commands: list[_Submit | _Abort | _ReadStats] = []
         self._wakeup = threading.Condition()
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._stopping = False
+        self._on_failure = on_failure
+        self.failure: EngineFailed | None = None  # set once, when the engine can no longer step
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> "EngineLoop":
@@ -96,7 +105,9 @@ class EngineLoop:
         return self
 
     @classmethod
-    def build(cls, make_engine: Callable[[], LLMEngine]) -> "EngineLoop":
+    def build(
+        cls, make_engine: Callable[[], LLMEngine], on_failure: Callable[[EngineFailed], None] | None = None
+    ) -> "EngineLoop":
         """A started loop whose engine was constructed on the loop thread itself; an error while
         building is raised here. On CPU, PyTorch's OpenMP worker team belongs to the thread that first
         ran a parallel op: an engine loaded on one thread and stepped on another runs two teams that
@@ -105,7 +116,7 @@ class EngineLoop:
 
         def build_then_run() -> None:
             try:
-                loop = cls(make_engine())
+                loop = cls(make_engine(), on_failure)
             except BaseException as error:
                 built.set_exception(error)
                 return
@@ -141,6 +152,8 @@ class EngineLoop:
     ) -> RequestHandle:
         handle = RequestHandle(request_id or f"loop-{next(self._ids)}", stream)
         with self._wakeup:
+            if self.failure is not None:
+                raise self.failure
             if self._stopping:
                 raise RuntimeError("the engine loop is stopped")
             self._commands.append(_Submit(handle, list(prompt_token_ids), params, priority))
@@ -157,6 +170,8 @@ class EngineLoop:
         only consistent there. Waits for the step in progress, if any."""
         answer: Future[EngineStats] = Future()
         with self._wakeup:
+            if self.failure is not None:
+                raise self.failure
             if self._stopping:
                 raise RuntimeError("the engine loop is stopped")
             self._commands.append(_ReadStats(answer))
@@ -168,10 +183,17 @@ class EngineLoop:
         return len(self._handles)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except EngineFailed as failure:
+            self._fail_everything(failure)
+
+    def _serve(self) -> None:
         while True:
             with self._wakeup:
                 while not self._commands and not self.engine.has_unfinished_requests() and not self._stopping:
-                    self._wakeup.wait()
+                    if not self._wakeup.wait(HEALTH_CHECK_SECONDS):
+                        self.engine.check_health()
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
             for command in commands:
@@ -215,6 +237,8 @@ class EngineLoop:
             if handle is not None:
                 handle._fail(failed)
             return
+        except EngineFailed:
+            raise  # ends the loop (_run)
         except Exception as error:  # a step that failed outside any request must not hang every caller
             for request_id, handle in list(self._handles.items()):
                 self.engine.abort_request(request_id)
@@ -228,3 +252,22 @@ class EngineLoop:
             if output.finished:
                 del self._handles[output.request_id]
             handle._publish(output)
+
+    def _fail_everything(self, failure: EngineFailed) -> None:
+        """The engine can never step again: say so first (the worker stops taking work), then fail every request in
+        flight or queued with `failure`; later submits and stats calls raise it."""
+        with self._wakeup:
+            self.failure = failure
+            commands, self._commands = self._commands, []
+        try:
+            if self._on_failure is not None:
+                self._on_failure(failure)
+        finally:  # whatever the callback did, no caller may be left waiting
+            for command in commands:
+                if isinstance(command, _Submit):
+                    command.handle._fail(failure)
+                elif isinstance(command, _ReadStats):
+                    command.answer.set_exception(failure)
+            for handle in self._handles.values():
+                handle._fail(failure)
+            self._handles.clear()

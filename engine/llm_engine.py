@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.admission import AdmissionLimits, StepFailed, admit, cost
+from engine.admission import AdmissionLimits, EngineFailed, StepFailed, admit, cost
 from engine.beam_search import Beam, BeamSearchState, NextBeam, beam_search_step, best_hypotheses
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
@@ -35,7 +35,7 @@ from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-from engine.tensor_parallel import RankFailure, TensorParallelRanks, TensorParallelRunner
+from engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner
 from engine.structured_output import GrammarCompilerPool, fill_token_bitmask
 from engine.tokenizer import Tokenizer
 
@@ -109,7 +109,7 @@ class LLMEngine:
 
         spec = ShardSpec(source, self.model_config, self.config, self.device, self.dtype, self.kernel_backend)
         tp_size = self.config.tensor_parallel_size
-        rank_model_config(self.model_config, tp_size)  # not divisible, or MoE: fail before starting any process
+        rank_model_config(self.model_config, tp_size)  # sizes not divisible: fail before starting any process
         ranks = TensorParallelRanks(spec) if tp_size > 1 else None
         try:
             shard = build_model_shard(spec, ranks.group if ranks is not None else SINGLE)
@@ -157,6 +157,12 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks, if any. The engine cannot step afterwards."""
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.close()
+
+    def check_health(self) -> None:
+        """Raises EngineFailed (RankFailure) if a tensor-parallel rank is known to have died, without stepping: how
+        an idle engine's driver learns it, before any request fails on it."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.ranks.check()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -319,7 +325,7 @@ class LLMEngine:
         try:
             with on_device(self.device):  # the loop thread's current device is 0 whatever the engine's is
                 outputs = failed + self._run(out)
-        except RankFailure:
+        except EngineFailed:
             raise  # the engine cannot step any more: no request is to blame
         except Exception as error:
             suspect = self._costliest_request(out)

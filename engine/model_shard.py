@@ -58,21 +58,31 @@ class ModelShard:
 
 
 def rank_model_config(model: ModelConfig, size: int) -> ModelConfig:
-    """The attention shape one of `size` ranks computes, for sizing its KV cache: its share of the heads."""
-    if size > 1 and model.moe is not None:
-        raise ValueError(
-            f"tensor parallelism does not shard mixture-of-experts models yet: {model.architecture} needs "
-            "tensor_parallel_size 1"
-        )
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(model, name) % size:
+    """The attention shape one of `size` ranks computes, for sizing its KV cache: its share of the heads. Raises
+    when a width the ranks split is not divisible by `size`, before any rank's process starts."""
+    for name, width in _sharded_widths(model).items():
+        if width % size:
             raise ValueError(
-                f"{name} ({getattr(model, name)}) is not divisible by tensor_parallel_size ({size}); "
-                "pick a size that divides the model's heads and MLP width"
+                f"{name} ({width}) is not divisible by tensor_parallel_size ({size}); "
+                "pick a size that divides the model's heads and MLP widths"
             )
     return dataclasses.replace(
         model, num_attention_heads=model.num_attention_heads // size, num_key_value_heads=model.num_key_value_heads // size
     )
+
+
+def _sharded_widths(model: ModelConfig) -> dict[str, int]:
+    """The widths tensor parallelism splits across ranks, named as its errors name them: the heads, the dense MLP's
+    width where some layer has one, and a mixture of experts' expert widths (engine/models/moe.py)."""
+    widths = {"num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads}
+    moe = model.moe
+    if moe is None or len(moe.sparse_layers) < model.num_hidden_layers:
+        widths["intermediate_size"] = model.intermediate_size
+    if moe is not None:
+        widths["the experts' intermediate size"] = moe.expert_intermediate_size
+        if moe.shared_expert_intermediate_size:
+            widths["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+    return widths
 
 
 def build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShard:

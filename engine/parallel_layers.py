@@ -2,7 +2,9 @@
 
 A column-parallel projection splits its output features across ranks (q/k/v heads, the gate and up halves of the
 MLP): no communication, each rank keeps its own heads. The row-parallel projection after it (o, down) splits its
-input features the same way, so each rank's product is a partial sum: one all-reduce makes it whole. The
+input features the same way, so each rank's product is a partial sum: one all-reduce makes it whole (or, with
+`reduce_results=False`, the caller's one all-reduce over several partial sums: a mixture-of-experts block adds its
+shared expert's to the routed experts' first, engine/models/moe.py). The
 embedding and the output projection split the vocabulary: the embedding sums the rows (one all-reduce), the output
 projection gathers the logits of the sampled rows on rank 0, the only rank that samples.
 
@@ -40,7 +42,13 @@ def read_whole(tensor: CheckpointTensor) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
 
 
-def _divide(total: int, parts: int, what: str) -> int:
+# Which piece of a parameter one checkpoint tensor fills, for the sharded layer that places this rank's slice of it:
+# the index of a fused projection's part (q, k, v; gate, up), or of stacked experts (expert, part: gate 0, up 1,
+# None for down); None: the whole parameter.
+CheckpointPart = int | tuple[int, int | None] | None
+
+
+def per_rank(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({parts})")
     return total // parts
@@ -68,7 +76,7 @@ class ColumnParallelLinear(Linear):
 
     def __init__(self, in_features: int, part_sizes: list[int], bias: bool, what: str) -> None:
         self.group: TensorParallelGroup = current_group()
-        self.local_part_sizes = [_divide(size, self.group.size, what) for size in part_sizes]
+        self.local_part_sizes = [per_rank(size, self.group.size, what) for size in part_sizes]
         super().__init__(in_features, sum(self.local_part_sizes), bias=bias)
 
     @torch.no_grad()
@@ -99,8 +107,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
         group = current_group()
-        _divide(num_heads, group.size, "num_attention_heads")
-        _divide(num_kv_heads, group.size, "num_key_value_heads")
+        per_rank(num_heads, group.size, "num_attention_heads")
+        per_rank(num_kv_heads, group.size, "num_key_value_heads")
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, "attention heads x head_dim")
 
@@ -113,11 +121,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(Linear):
-    """Input features split across ranks; the partial products are summed by one all-reduce."""
+    """Input features split across ranks; the partial products are summed by one all-reduce, unless
+    `reduce_results` is False: then the caller sums them, with others, in its own all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, what: str) -> None:
+    def __init__(self, in_features: int, out_features: int, what: str, reduce_results: bool = True) -> None:
         self.group: TensorParallelGroup = current_group()
-        super().__init__(_divide(in_features, self.group.size, what), out_features, bias=False)
+        self.reduce_results = reduce_results
+        super().__init__(per_rank(in_features, self.group.size, what), out_features, bias=False)
 
     @torch.no_grad()
     def load(self, leaf: str, tensor: CheckpointTensor, part: int | None) -> int:
@@ -129,7 +139,8 @@ class RowParallelLinear(Linear):
         return self.weight.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(super().forward(x))
+        partial = super().forward(x)
+        return self.group.all_reduce(partial) if self.reduce_results else partial
 
 
 def vocab_shard(vocab_size: int, group: TensorParallelGroup) -> tuple[int, int, int]:

@@ -9,7 +9,9 @@ pipe while the engine is idle, so an idle engine has no collective waiting to ti
 Failure is bounded in time: a watchdog thread on rank 0 waits on the ranks' process sentinels and records the
 first one that exits (aborting an NCCL group so a collective waiting on it fails now; gloo sees the closed
 socket by itself); every step checks that record first; every collective has the group's timeout. A rank whose
-pipe closes (rank 0 died) exits.
+pipe closes (rank 0 died) exits. Ranks ignore SIGINT and SIGTERM: sent to the whole process group (Ctrl-C, a
+service manager stopping the worker), they are rank 0's to answer with an orderly shutdown that stops the ranks,
+not a rank's death that fails the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import pickle
+import signal
 import threading
 import weakref
 from collections.abc import Sequence
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.admission import EngineFailed
 from engine.distributed import (
     ARRIVED_KEY,
     TensorParallelGroup,
@@ -46,7 +50,7 @@ _STOP = pickle.dumps(None)
 _JOIN_SECONDS = 10.0  # a rank told to stop gets this long to leave its group before it is killed
 
 
-class RankFailure(RuntimeError):
+class RankFailure(EngineFailed):
     """A tensor-parallel rank died or stopped answering: the engine cannot step any more."""
 
 
@@ -174,6 +178,10 @@ class TensorParallelRunner:
 
 def _run_rank(rank: int, spec: ShardSpec, store_port: int, steps: Connection) -> None:
     """A non-zero rank's process: build the shard, then run each step rank 0 sends until told to stop."""
+    # Stopped by rank 0 alone (or by its pipe closing): a SIGINT or SIGTERM sent to the whole process group (Ctrl-C,
+    # a service manager) is rank 0's to answer with an orderly shutdown, not a dead rank that fails its engine.
+    for ask_to_stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(ask_to_stop, signal.SIG_IGN)
     config = spec.config
     store = open_store(config.tensor_parallel_size, config.tensor_parallel_startup_timeout, store_port)
     group: TensorParallelGroup = join_group(

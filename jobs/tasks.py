@@ -7,7 +7,9 @@ pipeline, and nothing imports this module to send a task (`jobs.enqueue` sends t
 from __future__ import annotations
 
 from celery import Celery, Task
+from celery.exceptions import Reject
 
+from engine.admission import EngineFailed
 from jobs import enqueue, files
 from jobs.celery_app import TaskName
 from jobs.expiry import expire_due_batches
@@ -26,7 +28,10 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
     def validate(batch_id: str) -> None:
         pipeline.validate(batch_id)
 
-    @app.task(name=TaskName.run_chunk, bind=True, autoretry_for=(Exception,), retry_backoff=True, max_retries=8)
+    @app.task(
+        name=TaskName.run_chunk, bind=True, autoretry_for=(Exception,), dont_autoretry_for=(Reject,),
+        retry_backoff=True, max_retries=8,
+    )
     def run_chunk(self: Task, batch_id: str, index: int) -> None:
         try:
             pipeline.run_chunk(batch_id, index)
@@ -34,6 +39,11 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
             # Not an error: the chunk is running elsewhere. Come back when its lease would have lapsed, then skip
             # or take over.
             raise self.retry(exc=busy, countdown=settings.chunk_lease_seconds / 2, max_retries=None) from None
+        except EngineFailed as failed:
+            # Not the chunk's fault either: this worker's engine can never step again, and the worker is stopping
+            # (jobs.worker). The chunk wrote nothing and released its lease; its message goes back to the queue now,
+            # for a worker whose engine runs, without spending one of its retries.
+            raise Reject(failed, requeue=True) from failed
 
     @app.task(name=TaskName.finalize, autoretry_for=(Exception,), retry_backoff=True, max_retries=8)
     def finalize(batch_id: str) -> None:

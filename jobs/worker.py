@@ -3,14 +3,23 @@
 Celery runs tasks on a thread pool here, so every run_chunk of this process submits into the same
 `EngineLoop`: the running batch stays full across chunk, job and tenant boundaries. Everything the tasks use is
 built and wired here, once, before the worker consumes: the engine, the job kinds, the pipeline, the tasks.
+
+A worker whose engine fails (`EngineFailed`: a tensor-parallel rank died) serves nothing more, so it stops: the
+engine loop's failure sends this process SIGTERM, Celery's warm shutdown stops fetching tasks and waits for the
+running ones, whose chunks write nothing, release their leases and go back to the queue (jobs/tasks.py), and the
+process exits with `ENGINE_FAILED_EXIT_CODE`, for whatever runs it (`conveyor up`'s supervisor, the worker-group
+supervisor, a container's restart policy) to start a fresh one.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 from redis import Redis
 
+from engine.admission import EngineFailed
 from engine.embedder import Embedder
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
@@ -37,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # Slots beyond the chunk tasks, so validate and finalize never wait behind a full house of chunks.
 CONTROL_SLOTS = 2
+# The exit status of a worker whose engine failed (sysexits' EX_SOFTWARE): not 0, so that it is restarted.
+ENGINE_FAILED_EXIT_CODE = 70
 
 
 def build_engine(settings: Settings) -> EngineLoop:
@@ -44,7 +55,8 @@ def build_engine(settings: Settings) -> EngineLoop:
     resolve_embedding_model(settings.embedding_model)
     log.info("loading model %s", settings.model)
     loop = EngineLoop.build(
-        lambda: LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options)
+        lambda: LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options),
+        on_failure=stop_this_worker,
     )
     engine = loop.engine
     if engine.tokenizer is None:
@@ -104,11 +116,21 @@ def worker_models(settings: Settings, engine_model_name: str, redis: Redis) -> W
     )
 
 
+def stop_this_worker(failure: EngineFailed) -> None:
+    """Ask this process for Celery's warm shutdown, as an operator's SIGTERM does: it stops fetching tasks, lets the
+    running ones end (the dead engine fails them at once) and returns from `consume`."""
+    log.critical(
+        "the engine failed (%s): stopping this worker, which exits with status %d to be restarted",
+        failure, ENGINE_FAILED_EXIT_CODE,
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_worker(
     settings: Settings, queues: list[str] | None = None, loglevel: str = "INFO", node_name: str | None = None
-) -> None:
-    """Consume `queues`; None: the control queue, the unrouted one and the queues of the models this worker serves."""
-    concurrency = settings.effective_worker_concurrency + CONTROL_SLOTS
+) -> int:
+    """Consume `queues`; None: the control queue, the unrouted one and the queues of the models this worker serves.
+    Returns the process's exit status."""
     loop = build_engine(settings)  # before consuming: a model that cannot load fails the worker at start
     pipeline = build_pipeline(settings, loop)
     register_tasks(celery_app, pipeline)
@@ -116,19 +138,28 @@ def run_worker(
     heartbeat = pipeline.models.registry.keep_announcing(pipeline.models.served)
     start_worker_telemetry(settings, loop)
     try:
-        celery_app.worker_main(
-            [
-                # Celery's start-up banner is many lines of plain text, which would break a stream of JSON lines.
-                *(["--quiet"] if settings.log_format == "json" else []),
-                "worker",
-                "--pool=threads",
-                f"--concurrency={concurrency}",
-                "--queues=" + ",".join(queues or [CONTROL_QUEUE, UNROUTED_QUEUE, *pipeline.models.queues()]),
-                f"--loglevel={loglevel}",
-                "--without-gossip",
-                "--without-mingle",
-                *([f"--hostname={node_name}"] if node_name else []),
-            ]
+        return consume(
+            loop, settings, queues or [CONTROL_QUEUE, UNROUTED_QUEUE, *pipeline.models.queues()], loglevel, node_name
         )
     finally:
         heartbeat.stop()
+
+
+def consume(loop: EngineLoop, settings: Settings, queues: list[str], loglevel: str, node_name: str | None) -> int:
+    """Run Celery's worker on the registered tasks until it shuts down. Returns the exit status:
+    `ENGINE_FAILED_EXIT_CODE` if the engine failed meanwhile, else Celery's own."""
+    status = celery_app.start(
+        [
+            # Celery's start-up banner is many lines of plain text, which would break a stream of JSON lines.
+            *(["--quiet"] if settings.log_format == "json" else []),
+            "worker",
+            "--pool=threads",
+            f"--concurrency={settings.effective_worker_concurrency + CONTROL_SLOTS}",
+            "--queues=" + ",".join(queues),
+            f"--loglevel={loglevel}",
+            "--without-gossip",
+            "--without-mingle",
+            *([f"--hostname={node_name}"] if node_name else []),
+        ]
+    )
+    return ENGINE_FAILED_EXIT_CODE if loop.failure is not None else status or 0

@@ -23,6 +23,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.distributed import current_group
 from engine.parallel_layers import (
+    CheckpointPart,
     CheckpointTensor,
     PACK_FOR_TOKENS,
     Linear,
@@ -225,13 +226,16 @@ _CPU_MLP_SLICE_TOKENS = 2048
 
 class MLP(nn.Module):
     """Gated MLP: down(act(gate) * up), with SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma).
-    `intermediate_size` overrides the config's width (a MoE model's shared expert)."""
+    `intermediate_size` overrides the config's width, and `reduce_results=False` leaves a sharded MLP's output
+    this rank's partial sum (a MoE model's shared expert: its block sums everything in one all-reduce)."""
 
-    def __init__(self, config: ModelConfig, use_triton: bool, intermediate_size: int | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, use_triton: bool, intermediate_size: int | None = None, reduce_results: bool = True
+    ) -> None:
         super().__init__()
         width = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, width)
-        self.down_proj = RowParallelLinear(width, config.hidden_size, "intermediate_size")
+        self.down_proj = RowParallelLinear(width, config.hidden_size, "intermediate_size", reduce_results)
         self.use_triton = use_triton
         self.gelu = config.hidden_activation == "gelu_tanh"
 
@@ -353,16 +357,16 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def checkpoint_destination(self, name: str) -> tuple[str, int | None, tuple[int | slice, ...]]:
-        """Where the Hugging Face checkpoint tensor `name` goes: our parameter's name, which part of a fused
-        projection it is (q, k, v; gate, up: the sharded layer places its rank's rows of it; None: not a part),
-        and the region of the parameter it fills (`()`: all of it)."""
+    def checkpoint_destination(self, name: str) -> tuple[str, CheckpointPart]:
+        """Where the Hugging Face checkpoint tensor `name` goes: our parameter's name, and which piece of it the
+        tensor is (a part of a fused projection: q, k, v; gate, up), for the sharded layer to place its rank's
+        slice of it; None: the whole parameter."""
         module_path, _, leaf = name.rpartition(".")  # leaf: "weight" or "bias"
         parent, _, proj = module_path.rpartition(".")
         if proj not in self._FUSED:
-            return name, None, ()
+            return name, None
         fused, part = self._FUSED[proj]
-        return f"{parent}.{fused}.{leaf}", part, ()
+        return f"{parent}.{fused}.{leaf}", part
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
@@ -373,16 +377,16 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in named_tensors:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            target, part, region = self.checkpoint_destination(name)
+            target, part = self.checkpoint_destination(name)
             if target not in params:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
             module_path, _, leaf = target.rpartition(".")
             module = self.get_submodule(module_path)
             if hasattr(module, "load"):  # a sharded layer: reads its rank's slice only
                 written = module.load(leaf, tensor, part)
-            else:  # the same on every rank: norms, the MoE router and experts
+            else:  # the same on every rank: norms, the MoE router and its shared expert's gate
                 whole = read_whole(tensor)
-                destination = params[target][region]
+                destination = params[target]
                 if destination.shape != whole.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(whole.shape)} != model {tuple(destination.shape)}")
                 destination.copy_(whole)

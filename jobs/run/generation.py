@@ -3,7 +3,9 @@
 Every line of a chunk is submitted to the worker's `EngineLoop` at once, beside the other run_chunk threads'
 requests, so the engine's running batch stays full across chunk, batch and tenant boundaries; then the chunk waits
 for all of them, reading its batch's stop flag every `STOP_POLL_SECONDS` and aborting its unfinished requests in
-the engine when the batch is cancelled or expires.
+the engine when the batch is cancelled or expires. A request the engine refused or a step blamed on it becomes
+its line's error record; an engine that failed (`EngineFailed`) fails the whole chunk, which records nothing, to be
+run again by a worker whose engine runs (jobs/tasks.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import wait
 from typing import TYPE_CHECKING
 
+from engine.admission import EngineFailed
 from jobs.models import Batch
 from jobs.openai_format.records import error_record, response_record
 from jobs.openai_format.requests import BatchRequest
@@ -67,6 +70,8 @@ class GenerationKind(OpenAILinesKind):
         for request, handles in submitted:
             try:
                 results = [handle.result() for handle in handles]
+            except EngineFailed:  # not this line's fault: the chunk goes back to the queue whole
+                raise
             except ValueError as refused:  # the engine refused the request itself; only this line fails
                 records.append(error_record(LineError(request.custom_id, "invalid_parameter", str(refused))))
                 continue

@@ -12,7 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import engine.engine_loop
 from engine import LLM, EngineLoop, RequestOutput, SamplingParams
+from engine.admission import EngineFailed
+from engine.tensor_parallel import RankFailure
 
 pytestmark = pytest.mark.slow
 
@@ -205,3 +208,37 @@ def test_build_constructs_the_engine_on_the_loop_thread_and_raises_its_errors(ll
 
     with pytest.raises(FileNotFoundError, match="no such model"):
         EngineLoop.build(broken)
+
+
+class IdleEngineThatDies:
+    """An idle LLMEngine's face to the loop, until `die()`: then its health check raises RankFailure, as a sharded
+    engine's does once its watchdog has seen a rank exit."""
+
+    def __init__(self) -> None:
+        self.dead = threading.Event()
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def check_health(self) -> None:
+        if self.dead.is_set():
+            raise RankFailure("tensor-parallel rank 1 (pid 4242) exited with code -9")
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_engine_that_fails_while_idle_ends_the_loop_and_fails_every_later_call(monkeypatch) -> None:
+    monkeypatch.setattr(engine.engine_loop, "HEALTH_CHECK_SECONDS", 0.01)
+    dying = IdleEngineThatDies()
+    failures: list[EngineFailed] = []
+    loop = EngineLoop(dying, on_failure=failures.append).start()  # type: ignore[arg-type]
+    dying.dead.set()
+    loop._thread.join(TIMEOUT)
+    assert not loop._thread.is_alive()
+    assert isinstance(loop.failure, RankFailure) and failures == [loop.failure]
+    with pytest.raises(EngineFailed, match="rank 1 .* exited"):
+        loop.submit([1, 2, 3], GREEDY)
+    with pytest.raises(EngineFailed, match="rank 1 .* exited"):
+        loop.stats()
+    loop.stop()

@@ -1,6 +1,6 @@
 """Tensor parallelism: a model sharded over several processes (gloo on CPU here, NCCL on GPUs) gives the same greedy
-tokens as the whole model and as Hugging Face, whatever preemption, prefix caching, n or beam search did; each rank
-reads only its shard; a dead or hung rank fails the engine within a bounded time."""
+tokens as the whole model and as Hugging Face, whatever preemption, prefix caching, n or beam search did, mixtures
+of experts included; each rank reads only its shard; a dead or hung rank fails the engine within a bounded time."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,15 @@ import torch
 
 import engine.llm_engine
 from engine import LLM, SamplingParams
+from engine.attention import TorchAttention
 from engine.config import ModelConfig
 from engine.distributed import TensorParallelGroup, building_with
 from engine.loader import iter_safetensors, iter_safetensors_slices
+from engine.model_registry import DUMMY_SHAPES
+from engine.model_shard import rank_model_config
+from engine.models import MODEL_CLASSES
 from engine.models.llama import LlamaForCausalLM
-from engine.attention import TorchAttention
+from engine.models.moe import MoeForCausalLM, SparseMoeBlock
 from engine.tensor_parallel import RankFailure
 from tests.conftest import save_random_hf_model
 from tests.engine.test_hf_equivalence import MAX_TOKENS as HF_MAX_TOKENS
@@ -124,30 +129,53 @@ def test_tp3_smollm2_through_conveyor_run_matches_tp1_and_hf(smollm2_case, tmp_p
     assert tokens_by_size[1] == tokens_by_size[3]
 
 
+class CountingSlice:
+    """A checkpoint tensor that records how many elements each read of it took."""
+
+    def __init__(self, name: str, inner, read: dict[str, list[int]]) -> None:
+        self.name, self.inner, self.read = name, inner, read
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def __getitem__(self, index):
+        part = self.inner[index]
+        self.read.setdefault(self.name, []).append(part.numel())
+        return part
+
+
+@dataclass(frozen=True)
+class Unreduced(TensorParallelGroup):
+    """A rank of a group no process joins: its all-reduces leave this rank's partial sums, for a test to add up,
+    and are counted."""
+
+    all_reduces: list[torch.Size] = field(default_factory=list, compare=False)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.all_reduces.append(tensor.shape)
+        return tensor
+
+
+def load_rank_shards(
+    folder: Path, config: ModelConfig, size: int, group: type[TensorParallelGroup] = TensorParallelGroup
+) -> tuple[list[LlamaForCausalLM], dict[str, list[int]]]:
+    """Every rank's model loaded from `folder`'s safetensors, and the elements each rank read of each tensor."""
+    read: dict[str, list[int]] = {}
+    shards = []
+    for rank in range(size):
+        with building_with(group(rank=rank, size=size)):
+            model = MODEL_CLASSES[config.architecture](config, TorchAttention(use_decode_kernel=False))
+        model.load_weights((name, CountingSlice(name, s, read)) for name, s in iter_safetensors_slices(folder))
+        shards.append(model)
+    return shards, read
+
+
 def test_each_rank_reads_only_its_shard_and_the_shards_make_the_whole_model(smollm2_folder: Path) -> None:
     config = ModelConfig.from_hf(json.loads((smollm2_folder / "config.json").read_text()))
     full = dict(iter_safetensors(smollm2_folder))
     size = 3
-    read: dict[str, list[int]] = {}  # checkpoint tensor -> elements each rank read of it
-
-    class CountingSlice:
-        def __init__(self, name: str, inner) -> None:
-            self.name, self.inner = name, inner
-
-        def get_shape(self):
-            return self.inner.get_shape()
-
-        def __getitem__(self, index):
-            part = self.inner[index]
-            read.setdefault(self.name, []).append(part.numel())
-            return part
-
-    shards = []
-    for rank in range(size):
-        with building_with(TensorParallelGroup(rank=rank, size=size)):
-            model = LlamaForCausalLM(config, TorchAttention(use_decode_kernel=False))
-        model.load_weights((name, CountingSlice(name, s)) for name, s in iter_safetensors_slices(smollm2_folder))
-        shards.append(dict(model.named_parameters()))
+    models, read = load_rank_shards(smollm2_folder, config, size)
+    shards = [dict(model.named_parameters()) for model in models]
 
     for name, tensor in full.items():
         if tensor.ndim == 2:  # every matrix is split: read once in total, never whole by any rank
@@ -171,20 +199,91 @@ def test_each_rank_reads_only_its_shard_and_the_shards_make_the_whole_model(smol
     assert total == sum(t.numel() for t in full.values() if t.ndim == 2)
 
 
-def test_sizes_that_do_not_divide_the_heads_are_refused_before_any_process_starts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_each_rank_holds_its_slice_of_every_expert_and_their_outputs_sum_to_the_whole(kind, tmp_path: Path) -> None:
+    """Experts are split along their intermediate dimension (gate/up rows, down columns), Qwen2-MoE's shared expert
+    too; routers are replicated. Each rank's sparse block gives a partial sum; the ranks' sum is the whole block's."""
+    folder = save_random_hf_model(kind, tmp_path)
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    full = dict(iter_safetensors(folder))
+    whole = MoeForCausalLM(config, TorchAttention(use_decode_kernel=False))
+    whole.load_weights(full.items())
+    size = 2
+    shards, read = load_rank_shards(folder, config, size, Unreduced)
+
+    replicated = ("norm.weight", "mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+    for name, tensor in full.items():
+        if name.endswith(replicated):  # norms and routers: whole on every rank
+            assert read[name] == [tensor.numel()] * size, name
+        else:  # everything else is split: read once in total, never whole by any rank
+            assert sum(read[name]) == tensor.numel() and max(read[name]) < tensor.numel(), name
+    for name, param in whole.named_parameters():
+        if ".experts." not in name:
+            continue
+        parts = [shard.get_parameter(name) for shard in shards]
+        if name.endswith("gate_up_proj"):  # [gate_r; up_r] per rank
+            gates, ups = zip(*(part.chunk(2, dim=1) for part in parts))
+            assert torch.equal(torch.cat(gates + ups, dim=1), param), name
+        else:
+            assert torch.equal(torch.cat(parts, dim=2), param), name
+    # Stacked experts (transformers 5's modules) split the same way as one tensor per expert.
+    with building_with(TensorParallelGroup(rank=1, size=size)):
+        from_stacked = MoeForCausalLM(config, TorchAttention(use_decode_kernel=False))
+    from_stacked.load_weights(whole.state_dict().items())
+    for name, param in from_stacked.named_parameters():
+        assert torch.equal(param, shards[1].get_parameter(name)), name
+
+    x = torch.randn(7, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    sparse = [i for i, layer in enumerate(whole.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+    assert sparse
+    for i in sparse:
+        blocks = [shard.model.layers[i].mlp for shard in shards]
+        for block in blocks:
+            block.group.all_reduces.clear()
+        partial_sums = sum(block(x) for block in blocks)
+        torch.testing.assert_close(partial_sums, whole.model.layers[i].mlp(x), rtol=1e-5, atol=1e-5)
+        assert [block.group.all_reduces for block in blocks] == [[x.shape]] * size  # one collective per block
+
+
+TWO_GPUS = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_tp2_mixture_of_experts_matches_hf(kind, device, tmp_path: Path) -> None:
+    import transformers
+
+    folder = save_random_hf_model(kind, tmp_path / kind)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(5, 30))] for _ in range(4)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    expected = hf_greedy(hf, prompts, MAX_TOKENS, eos=None)
+    llm = LLM(str(folder), dtype="float32", device=device, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    finally:
+        llm.engine.close()
+
+
+def test_sizes_that_do_not_divide_the_heads_are_refused_before_any_process_starts(tmp_path: Path, monkeypatch) -> None:
     folder = save_random_hf_model("llama", tmp_path / "llama")  # 4 heads, 2 KV heads
-    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
-        LLM(str(folder), dtype="float32", device="cpu", tensor_parallel_size=3)
-
-
-def test_mixture_of_experts_models_are_refused_before_any_process_starts(tmp_path: Path, monkeypatch) -> None:
-    """Expert sharding is not built yet: a MoE architecture with tensor_parallel_size > 1 fails at once, naming it."""
-    folder = save_random_hf_model("mixtral", tmp_path / "mixtral")
     started: list[object] = []
     monkeypatch.setattr(engine.llm_engine, "TensorParallelRanks", started.append)
-    with pytest.raises(ValueError, match=r"MixtralForCausalLM needs tensor_parallel_size 1"):
-        LLM(str(folder), dtype="float32", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
+        LLM(str(folder), dtype="float32", device="cpu", tensor_parallel_size=3)
     assert started == []
+
+
+def test_expert_widths_that_do_not_divide_are_refused() -> None:
+    qwen3, qwen2 = DUMMY_SHAPES["qwen3-30b-a3b"], DUMMY_SHAPES["qwen1.5-moe-a2.7b"]
+    with pytest.raises(ValueError, match=r"the experts' intermediate size \(770\) is not divisible by tensor_parallel_size \(4\)"):
+        rank_model_config(ModelConfig.from_hf({**qwen3, "moe_intermediate_size": 770}), 4)
+    with pytest.raises(ValueError, match=r"shared_expert_intermediate_size \(5634\) is not divisible"):
+        rank_model_config(ModelConfig.from_hf({**qwen2, "shared_expert_intermediate_size": 5634}), 4)
+    # The dense MLP's width counts only where a layer keeps the dense MLP: every Qwen3-30B-A3B layer is sparse.
+    assert rank_model_config(ModelConfig.from_hf({**qwen3, "intermediate_size": 6145}), 4).num_attention_heads == 8
+    with pytest.raises(ValueError, match=r"intermediate_size \(6145\) is not divisible"):
+        rank_model_config(ModelConfig.from_hf({**qwen3, "intermediate_size": 6145, "mlp_only_layers": [3]}), 4)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ real SmolLM2 engine, the real embedding model, Redis stop flags and S3, and no p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from collections.abc import Iterator
@@ -11,10 +12,12 @@ from typing import Any
 import pytest
 from redis import Redis
 
+from engine.admission import EngineFailed
 from engine.embedder import Embedder
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, RequestHandle
 from engine.llm_engine import LLMEngine
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
+from engine.tensor_parallel import RankFailure
 from jobs.lazy_embedder import LazyEmbedder
 from jobs.models import Batch
 from jobs.object_keys import chunk_output_key
@@ -103,6 +106,29 @@ def test_generation_stops_on_the_batch_flag(engine: EngineHandle, stop_flags: St
     result = kind.run_chunk(job, 0, [(1, line("long", "/v1/completions", body))])
     assert (result.completed, result.failed, result.output) == (0, 1, b"")
     assert jsonl(result.errors)[0]["error"]["code"] == "batch_expired"
+
+
+class FailedEngineLoop:
+    """An EngineLoop whose engine failed while the chunk's requests ran: each fails with the engine's error."""
+
+    def submit(self, prompt_token_ids, params, request_id=None, priority=0, stream=False) -> RequestHandle:
+        handle = RequestHandle(request_id, stream)
+        handle._fail(RankFailure("a tensor-parallel step failed: tensor-parallel rank 1 (pid 4242) exited with code -9"))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+def test_generation_fails_the_whole_chunk_when_the_engine_fails(
+    engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore
+) -> None:
+    """Not one error record per line: the lines are not at fault and must run again elsewhere, so the chunk records
+    nothing (jobs/tasks.py gives its message back to the queue)."""
+    kind = GenerationKind(dataclasses.replace(engine, loop=FailedEngineLoop()), object_store, stop_flags, per_chunk=10)
+    body = {"model": DEFAULT_MODEL, "prompt": "One, two,", "max_tokens": 3}
+    with pytest.raises(EngineFailed, match="rank 1"):
+        kind.run_chunk(batch("/v1/completions"), 0, [(1, line("a", "/v1/completions", body))])
 
 
 def test_embeddings_answer_a_chunk_in_one_call(engine: EngineHandle, object_store: ObjectStore) -> None:
