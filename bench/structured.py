@@ -2,11 +2,12 @@
 the same requests unconstrained with the same output lengths, and constrained with jump-ahead on.
 
 Workload: seeded invoice-like documents ("Invoice 17 from Halden Instruments, Lisbon: 1,234.50 EUR …"), each
-in the model's chat template with an instruction to extract the fields; greedy. Three runs, one engine each:
+in the model's chat template with an instruction to extract the fields; greedy. Three runs, each on a fresh engine:
 
 1. constrained: `response_format`'s JSON schema (nested object, enum, pattern, array, bounds), jump-ahead off;
 2. unconstrained: the same prompts, each with `max_tokens` = its constrained output's length and `ignore_eos`,
-   so both runs compute exactly the same number of tokens and only the grammar's cost differs;
+   so both runs compute exactly the same number of tokens and only the grammar's cost differs
+   (with `--repeats N`, N such pairs, alternating which side runs first; the ratio is their median);
 3. constrained with jump-ahead on: forced text (keys, punctuation) is appended without a forward pass each.
 
 It prints tokens/s and requests/s, the constrained / unconstrained ratio (target >= 0.9x), the grammar
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 
 from bench.common import Run, Submission, add_model_arguments, describe, drive, load, markdown_table, ratio, run_cli, setup_torch
 from engine import LLM, SamplingParams
@@ -93,29 +95,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=160, help="cap on each constrained output")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size (GiB)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="constrained/unconstrained rounds, alternating which runs first"
+    )
 
 
-def run(args: argparse.Namespace) -> None:
-    setup_torch(args)
-    kv_bytes = int(args.kv_cache_gib * 1024**3)
-
-    llm = load(args, kv_cache_memory=kv_bytes)
-    prompts = build_prompts(llm, args.num_requests)
-    print(describe(args, llm, requests=len(prompts), prompt=f"{min(map(len, prompts))}-{max(map(len, prompts))}"), flush=True)
-    constrained, compilations = constrained_run("constrained", llm, prompts, args.max_tokens)
-    print(f"constrained: {constrained.seconds:.1f} s, {constrained.output_tokens} tokens, {len(constrained.steps)} steps", flush=True)
-    lengths = [len(constrained.token_ids(str(i))[0]) for i in range(len(prompts))]
-    stopped = sum(o.outputs[0].finish_reason == "stop" for o in constrained.outputs.values())
-    unconstrained = drive(
-        "unconstrained",
+def unconstrained_run(name: str, llm: LLM, prompts: list[list[int]], lengths: list[int]) -> Run:
+    """The same prompts without a constraint, each computing exactly its constrained output's length."""
+    return drive(
+        name,
         llm,
         [
             Submission(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
             for i, (p, n) in enumerate(zip(prompts, lengths))
         ],
     )
-    print(f"unconstrained: {unconstrained.seconds:.1f} s, {unconstrained.output_tokens} tokens, {len(unconstrained.steps)} steps", flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    setup_torch(args)
+    kv_bytes = int(args.kv_cache_gib * 1024**3)
+
+    # Every measured run gets an engine of its own, so none finds another's prompts in the prefix cache.
+    llm = load(args, kv_cache_memory=kv_bytes)
+    prompts = build_prompts(llm, args.num_requests)
+    print(describe(args, llm, requests=len(prompts), prompt=f"{min(map(len, prompts))}-{max(map(len, prompts))}"), flush=True)
+    constrained, compilations = constrained_run("constrained", llm, prompts, args.max_tokens)
     del llm
+    lengths = [len(constrained.token_ids(str(i))[0]) for i in range(len(prompts))]
+    stopped = sum(o.outputs[0].finish_reason == "stop" for o in constrained.outputs.values())
+    unconstrained = unconstrained_run("unconstrained", load(args, kv_cache_memory=kv_bytes), prompts, lengths)
+    pairs = [(constrained, unconstrained)]
+    print(f"round 1: constrained {constrained.seconds:.1f} s, unconstrained {unconstrained.seconds:.1f} s", flush=True)
+    # Further rounds alternate which side runs first, so a load that drifts during the command favours neither.
+    for round_index in range(1, args.repeats):
+        sides = []
+        for constrained_side in (False, True) if round_index % 2 else (True, False):
+            fresh = load(args, kv_cache_memory=kv_bytes)
+            if constrained_side:
+                sides.append(constrained_run("constrained", fresh, prompts, args.max_tokens)[0])
+            else:
+                sides.append(unconstrained_run("unconstrained", fresh, prompts, lengths))
+            del fresh
+        again = next(r for r in sides if r.name == "constrained")
+        plain = next(r for r in sides if r.name == "unconstrained")
+        pairs.append((again, plain))
+        print(f"round {round_index + 1}: constrained {again.seconds:.1f} s, unconstrained {plain.seconds:.1f} s", flush=True)
 
     jumping_llm = load(args, kv_cache_memory=kv_bytes, jump_forward=True)
     jumping, jump_compilations = constrained_run("constrained, jump-ahead", jumping_llm, prompts, args.max_tokens)
@@ -136,8 +161,10 @@ def run(args: argparse.Namespace) -> None:
     print(f"constrained outputs that stopped (valid JSON) rather than hit --max-tokens: {stopped}/{len(prompts)}")
     print(f"jump-ahead: {jump_tokens} of {jumping.output_tokens} output tokens appended without their own forward "
           f"pass; {len(jumping.steps)} steps vs {len(constrained.steps)}")
-    achieved = constrained.output_tokens_per_second / unconstrained.output_tokens_per_second
-    print(f"constrained / unconstrained throughput: {achieved:.2f}x (target >= {TARGET_RATIO}x): "
+    ratios = sorted(c.output_tokens_per_second / u.output_tokens_per_second for c, u in pairs)
+    achieved = statistics.median(ratios)
+    print(f"constrained / unconstrained throughput per round: {', '.join(f'{r:.2f}x' for r in ratios)}")
+    print(f"median over {len(pairs)} round(s): {achieved:.2f}x (target >= {TARGET_RATIO}x): "
           f"{'met' if achieved >= TARGET_RATIO else 'NOT met'}; compilations: {compilations} (target 1)")
 
 
