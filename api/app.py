@@ -16,7 +16,7 @@ from api.deps import reject_unknown_query_parameters
 from api.errors import install_error_handlers
 from api.observability import install_observability
 from api.openapi import install_openapi
-from jobs.db import make_engine, make_session_factory
+from jobs.db import autocommit, make_engine, make_session_factory
 from jobs.served_models import ModelRegistry
 from jobs.settings import Settings
 from jobs.stop_flags import StopFlags
@@ -30,13 +30,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     store = ObjectStore(settings.s3)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(store.ensure_bucket)  # uploads may arrive before any worker has started
+        app.state.keys.start()
         # What exists now (modules, the app) lives as long as the process. Frozen, it is left out of
         # garbage collection, whose full passes would otherwise stall every request for ~0.1 s.
         gc.collect()
         gc.freeze()
-        yield
+        try:
+            yield
+        finally:
+            app.state.keys.stop()
 
     app = FastAPI(
         lifespan=lifespan,
@@ -50,9 +54,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # connection answers 500 (which the SDKs retry) and the pool reconnects. A connection kept for each
     # thread that runs routes, so that under load none is closed and reopened between requests.
     database = make_engine(settings.database_url, pool_size=ROUTE_THREADS, pre_ping=False)
+    app.state.read_engine = autocommit(database)
     app.state.read_sessions = make_session_factory(database, read_only=True)
     app.state.write_sessions = make_session_factory(database)
-    app.state.keys = KeyCache(app.state.read_sessions)
+    app.state.keys = KeyCache(app.state.read_sessions, settings.database_url)
     app.state.store = store
     redis = Redis.from_url(settings.redis_url)
     app.state.stop_flags = StopFlags(redis, settings.redis_prefix)

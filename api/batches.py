@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 from sqlalchemy.orm import Session
 
 from api.auth import ProjectDep
 from api.creation import IdempotencyKeyHeader, create_once, start_validation
-from api.deps import ReadSessionsDep, SettingsDep, StopFlagsDep, WriteSessionsDep
-from api.schemas import BatchObject, CreateBatch, ListPage
+from api.deps import ReadEngineDep, SettingsDep, StopFlagsDep, WriteSessionsDep
+from api.schemas import BatchObject, CreateBatch, ListPage, answer
 from jobs import batches, enqueue
 from jobs.pagination import MAX_PAGE_SIZE
 from jobs.stop_flags import StopReason
@@ -49,22 +49,21 @@ def create_batch(
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-def retrieve_batch(batch_id: str, sessions: ReadSessionsDep, project_id: ProjectDep) -> BatchObject:
-    with sessions() as session:
-        return BatchObject.of(batches.get_batch(session, project_id, batch_id))
+def retrieve_batch(batch_id: str, reads: ReadEngineDep, project_id: ProjectDep) -> Response:
+    with reads.connect() as connection:
+        return answer(BatchObject.of(batches.get_batch(connection, project_id, batch_id)))
 
 
 @router.get("", response_model=ListPage[BatchObject])
 def list_batches(
-    sessions: ReadSessionsDep,
+    reads: ReadEngineDep,
     project_id: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 20,
-) -> ListPage[BatchObject]:
-    with sessions() as session:
-        page = batches.list_batches(session, project_id, after=after, limit=limit)
-    data = [BatchObject.of(row) for row in page.rows]
-    return ListPage.of(data, page.has_more)
+) -> Response:
+    with reads.connect() as connection:
+        page = batches.list_batches(connection, project_id, after=after, limit=limit)
+    return answer(ListPage.of([BatchObject.of(row) for row in page.rows], page.has_more))
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)

@@ -1,5 +1,5 @@
-"""Dependencies every route shares: session factories, the object store and the settings; and the refusal of
-query parameters a route does not take.
+"""Dependencies every route shares: session factories, the read engine, the object store and the settings; and the
+refusal of query parameters a route does not take.
 
 They are `async` so that FastAPI resolves them on the event loop instead of a threadpool hop each. Routes
 open their session themselves and close it within the same hop, in one `with` block: a pooled connection
@@ -14,6 +14,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
+from sqlalchemy import Engine
 
 from jobs.db import SessionFactory
 from jobs.errors import ServiceError
@@ -24,6 +25,10 @@ from jobs.storage import ObjectStore
 
 async def get_read_sessions(request: Request) -> SessionFactory:
     return request.app.state.read_sessions
+
+
+async def get_read_engine(request: Request) -> Engine:
+    return request.app.state.read_engine
 
 
 async def get_write_sessions(request: Request) -> SessionFactory:
@@ -43,6 +48,8 @@ async def get_stop_flags(request: Request) -> StopFlags:
 
 
 ReadSessionsDep = Annotated[SessionFactory, Depends(get_read_sessions)]  # one statement per round trip, no transaction
+# Core connections, the same pool and autocommit as ReadSessionsDep, for the routes clients poll: Core rows, no ORM.
+ReadEngineDep = Annotated[Engine, Depends(get_read_engine)]
 WriteSessionsDep = Annotated[SessionFactory, Depends(get_write_sessions)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 
 from api.auth import ProjectDep
 from api.creation import IdempotencyKeyHeader, create_once
-from api.deps import ReadSessionsDep, SettingsDep, StoreDep, WriteSessionsDep
-from api.schemas import DeletedFile, FileObject, ListPage
+from api.deps import ReadEngineDep, ReadSessionsDep, SettingsDep, StoreDep, WriteSessionsDep
+from api.schemas import DeletedFile, FileObject, ListPage, answer
 from api.upload import FormLimits, UploadedForm, receive_form
 from jobs import files, idempotency
 from jobs.errors import ServiceError
@@ -166,19 +166,18 @@ def _record_once(
 
 @router.get("", response_model=ListPage[FileObject])
 def list_files(
-    sessions: ReadSessionsDep,
+    reads: ReadEngineDep,
     project_id: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = MAX_PAGE_SIZE,
     order: Literal["asc", "desc"] = "desc",
     purpose: FilePurpose | None = None,
-) -> ListPage[FileObject]:
-    with sessions() as session:
+) -> Response:
+    with reads.connect() as connection:
         page = files.list_files(
-            session, project_id, after=after, limit=limit, order=order, purpose=None if purpose is None else purpose.value
+            connection, project_id, after=after, limit=limit, order=order, purpose=None if purpose is None else purpose.value
         )
-    data = [FileObject.of(row) for row in page.rows]
-    return ListPage.of(data, page.has_more)
+    return answer(ListPage.of([FileObject.of(row) for row in page.rows], page.has_more))
 
 
 @router.get("/{file_id}", response_model=FileObject)

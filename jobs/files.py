@@ -6,8 +6,9 @@ import hashlib
 import logging
 from collections.abc import Mapping
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import ColumnElement, or_, select
+from sqlalchemy import ColumnElement, Connection, Row, or_, select
 from sqlalchemy.orm import Session
 
 from jobs.db import SessionFactory
@@ -105,14 +106,14 @@ def get_file(session: Session, project_id: str, file_id: str) -> File:
 
 
 def list_files(
-    session: Session, project_id: str, *, after: str | None, limit: int, order: Order, purpose: str | None
-) -> Page[File]:
+    reader: Session | Connection, project_id: str, *, after: str | None, limit: int, order: Order, purpose: str | None
+) -> Page[Row[Any]]:
     filters = [_live()]
     if purpose is not None:
         if purpose not in FilePurpose.__members__:
             raise ServiceError("invalid_request", f"unknown purpose {purpose!r}", param="purpose")
         filters.append(File.purpose == FilePurpose(purpose))
-    return paginate(session, File, project_id, after=after, limit=limit, order=order, filters=filters)
+    return paginate(reader, File, project_id, after=after, limit=limit, order=order, filters=filters)
 
 
 def delete_file(session: Session, store: ObjectStore, project_id: str, file_id: str) -> None:

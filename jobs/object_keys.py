@@ -7,22 +7,27 @@ def file_key(project_id: str, file_id: str, extension: str = "jsonl") -> str:
     return f"files/{project_id}/{file_id}.{extension}"
 
 
+def batch_prefix(batch_id: str) -> str:
+    """Everything a batch's run writes before finalize composes its files: validation's errors, the chunks' parts."""
+    return f"batches/{batch_id}/"
+
+
 def validation_errors_key(batch_id: str) -> str:
-    return f"batches/{batch_id}/validation_errors.jsonl"
+    return f"{batch_prefix(batch_id)}validation_errors.jsonl"
 
 
 def chunk_output_key(batch_id: str, index: int) -> str:
     """Written last by run_chunk: its existence means the chunk's results are complete."""
-    return f"batches/{batch_id}/chunks/{index:06d}.output.jsonl"
+    return f"{batch_prefix(batch_id)}chunks/{index:06d}.output.jsonl"
 
 
 def chunk_errors_key(batch_id: str, index: int) -> str:
-    return f"batches/{batch_id}/chunks/{index:06d}.errors.jsonl"
+    return f"{batch_prefix(batch_id)}chunks/{index:06d}.errors.jsonl"
 
 
 def expired_requests_key(batch_id: str) -> str:
     """`batch_expired` error lines for the requests of an expired batch's chunks that never ran."""
-    return f"batches/{batch_id}/expired_requests.jsonl"
+    return f"{batch_prefix(batch_id)}expired_requests.jsonl"
 
 
 def inbox_key(project_id: str, relative_key: str) -> str:

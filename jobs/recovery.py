@@ -10,6 +10,11 @@ not terminal when its completion window ends. This one covers the tasks that nev
 - idempotency keys past their lifetime are deleted.
 
 A task that cannot be sent now (Redis still down) is tried again by the next sweep.
+
+Re-sending is not enough when finalize itself keeps failing (an object store refusing the copies, a worker killed
+by every attempt): `fail_stalled_finalizes` ends a batch that has been `finalizing` or `cancelling` for longer than
+`Settings.finalize_timeout_seconds` as `failed` (`finalize_failed`), naming where its chunks' results are kept.
+With the expiry sweep that bounds every batch: terminal at the latest `finalize_timeout_seconds` after its window.
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import ColumnElement, func, or_, select, update
 
 from jobs import idempotency
 from jobs.db import SessionFactory
-from jobs.models import Batch, BatchStatus, utcnow
+from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, utcnow
+from jobs.object_keys import batch_prefix
+from jobs.run.ledger import fail_locked
+from jobs.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +44,11 @@ def resend_lost_work(
     now: datetime | None = None,
 ) -> None:
     now = now or utcnow()
-    stalled_before = now - timedelta(seconds=STALLED_SECONDS)
     with sessions.begin() as session:
         unsent = session.scalars(
             select(Batch.id).where(Batch.validate_unsent, Batch.status == BatchStatus.validating)
         ).all()
-        stalled = session.scalars(
-            select(Batch.id).where(
-                or_(
-                    (Batch.status == BatchStatus.cancelling) & (Batch.cancelling_at <= stalled_before),
-                    (Batch.status == BatchStatus.finalizing) & (Batch.finalizing_at <= stalled_before),
-                )
-            )
-        ).all()
+        stalled = session.scalars(select(Batch.id).where(_settling_since(now - timedelta(seconds=STALLED_SECONDS)))).all()
         forgotten = idempotency.forget_expired(session, now)
     if forgotten:
         log.info("forgot %d expired idempotency keys", forgotten)
@@ -60,3 +60,44 @@ def resend_lost_work(
     for batch_id in stalled:
         log.info("batch %s: sending finalize again, the batch has not moved for %d s", batch_id, STALLED_SECONDS)
         enqueue_finalize(batch_id)
+
+
+def fail_stalled_finalizes(
+    sessions: SessionFactory, store: ObjectStore, timeout_seconds: float, now: datetime | None = None
+) -> list[str]:
+    """Fail the batches finalizing (or cancelling) for longer than `timeout_seconds`; returns the webhook deliveries
+    to enqueue. Nothing is deleted: the error names where the chunks' results are."""
+    now = now or utcnow()
+    deliveries: list[str] = []
+    with sessions.begin() as session:
+        stalled = session.scalars(
+            select(Batch)
+            .where(_settling_since(now - timedelta(seconds=timeout_seconds)))
+            # A batch whose row a finalize holds is being settled right now: not stalled.
+            .with_for_update(skip_locked=True)
+        ).all()
+        for batch in stalled:
+            done = session.scalar(
+                select(func.count()).where(Chunk.batch_id == batch.id, Chunk.status == ChunkStatus.done)
+            )
+            kept = (
+                f"the results of its {done} finished chunks are kept under {store.url(batch_prefix(batch.id))} "
+                "(chunks/<index>.output.jsonl and chunks/<index>.errors.jsonl, validation_errors.jsonl)"
+                if done
+                else f"no chunk had finished; validation's errors, if any, are under {store.url(batch_prefix(batch.id))}"
+            )
+            message = (
+                f"finalize did not complete within {timeout_seconds:g} s (CONVEYOR_FINALIZE_TIMEOUT_SECONDS), so no "
+                f"output or error file was made; {kept}"
+            )
+            log.error("batch %s: %s", batch.id, message)
+            deliveries += fail_locked(session, batch, "finalize_failed", message)
+    return deliveries
+
+
+def _settling_since(before: datetime) -> ColumnElement[bool]:
+    """Batches that started their finalize (a cancel: its request) at or before `before` and are not settled."""
+    return or_(
+        (Batch.status == BatchStatus.cancelling) & (Batch.cancelling_at <= before),
+        (Batch.status == BatchStatus.finalizing) & (Batch.finalizing_at <= before),
+    )

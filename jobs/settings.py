@@ -136,6 +136,12 @@ class Settings(BaseSettings):
     chunk_lease_seconds: float = Field(
         60.0, description="seconds: a running chunk's Redis lease, renewed while it runs, lapses when its worker dies"
     )
+    finalize_timeout_seconds: float = Field(
+        3600.0,
+        description="seconds a batch may stay `finalizing` (or `cancelling`) before the recovery sweep fails it with "
+        "`finalize_failed`; the results its chunks wrote are kept and the error says where. Finalize copies objects "
+        "inside the store, minutes for the largest batch: an hour rides out an object-store outage",
+    )
     beat_interval_seconds: float = Field(
         10.0, description="seconds between beat's periodic sweeps (schedules, expiry, webhook retries)"
     )
@@ -177,6 +183,8 @@ class Settings(BaseSettings):
             raise ValueError(f"CONVEYOR_CHUNK_SIZE must be >= 1, got {self.chunk_size}")
         if self.rag_documents_per_chunk < 1:
             raise ValueError(f"CONVEYOR_RAG_DOCUMENTS_PER_CHUNK must be >= 1, got {self.rag_documents_per_chunk}")
+        if self.finalize_timeout_seconds <= 0:
+            raise ValueError(f"CONVEYOR_FINALIZE_TIMEOUT_SECONDS must be > 0, got {self.finalize_timeout_seconds}")
         for name in ("max_upload_bytes", "max_line_bytes", "max_form_field_bytes", "max_form_part_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CONVEYOR_{name.upper()} must be >= 1, got {getattr(self, name)}")

@@ -118,6 +118,10 @@ class ObjectStore:
             ),
         )
 
+    def url(self, key: str) -> str:
+        """Where a key lives, for people: `s3://<bucket>/<prefix><key>`."""
+        return f"s3://{self.settings.bucket}/{self._full(key)}"
+
     def ensure_bucket(self) -> None:
         """Create the bucket unless it exists. HEAD first: credentials allowed to use a bucket may not create one."""
         try:

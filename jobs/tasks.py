@@ -13,7 +13,7 @@ from engine.admission import EngineFailed
 from jobs import enqueue, files
 from jobs.celery_app import TaskName
 from jobs.expiry import expire_due_batches
-from jobs.recovery import resend_lost_work
+from jobs.recovery import fail_stalled_finalizes, resend_lost_work
 from jobs.models import utcnow
 from jobs.run.lease import ChunkBusy
 from jobs.run.pipeline import Pipeline
@@ -24,7 +24,20 @@ from jobs.webhooks.delivery import DeliveryPolicy, attempt_delivery, send_due_de
 def register_tasks(app: Celery, pipeline: Pipeline) -> None:
     settings = pipeline.settings
 
-    @app.task(name=TaskName.validate, autoretry_for=(Exception,), retry_backoff=True, max_retries=8)
+    def give_up_validate(
+        task: Task, error: BaseException, task_id: str, args: tuple[str], kwargs: dict[str, object], einfo: object
+    ) -> None:
+        # Celery calls this (the task's on_failure) only once no retry is left (9 attempts over a few minutes of
+        # backoff): nothing would validate the batch again, so it fails now instead of at its expiry.
+        pipeline.give_up_validate(args[0], task.request.retries + 1, error)
+
+    @app.task(
+        name=TaskName.validate,
+        autoretry_for=(Exception,),
+        retry_backoff=True,
+        max_retries=8,
+        on_failure=give_up_validate,
+    )
     def validate(batch_id: str) -> None:
         pipeline.validate(batch_id)
 
@@ -45,6 +58,7 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
             # for a worker whose engine runs, without spending one of its retries.
             raise Reject(failed, requeue=True) from failed
 
+    # Its retries spent, a finalize is sent again by the recovery sweep until `finalize_timeout_seconds` fail it.
     @app.task(name=TaskName.finalize, autoretry_for=(Exception,), retry_backoff=True, max_retries=8)
     def finalize(batch_id: str) -> None:
         pipeline.finalize(batch_id)
@@ -63,6 +77,9 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
     def recover_lost_work() -> None:
         # No retries: beat sends the next sweep in a few seconds anyway.
         resend_lost_work(pipeline.sessions, enqueue.validate, enqueue.finalize)
+        pipeline.enqueue_webhook_deliveries(
+            fail_stalled_finalizes(pipeline.sessions, pipeline.store, settings.finalize_timeout_seconds)
+        )
 
     @app.task(name=TaskName.fire_due_schedules)
     def fire_schedules() -> None:

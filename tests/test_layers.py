@@ -43,21 +43,42 @@ def project_modules() -> dict[str, Path]:
 
 def imported_names(path: Path, module: str) -> Iterator[tuple[str, int]]:
     """(dotted name, line) of everything the file imports; `from a import b` yields a.b (a module or not)."""
-    is_package = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield alias.name, node.lineno
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                anchor = module.split(".")
-                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
-                base = ".".join(anchor + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
-            yield base, node.lineno
-            for alias in node.names:
-                yield f"{base}.{alias.name}", node.lineno
+        yield from _names(node, module, path.name == "__init__.py")
+
+
+def eagerly_imported_names(path: Path, module: str) -> Iterator[str]:
+    """What importing the file imports at once: module-level imports (in `if` and `try` blocks too), not those in
+    functions or under `if TYPE_CHECKING:`."""
+
+    def walk(statements: list[ast.stmt]) -> Iterator[str]:
+        for node in statements:
+            yield from (name for name, _ in _names(node, module, path.name == "__init__.py"))
+            if isinstance(node, ast.If):
+                if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                    yield from walk(node.body)
+                yield from walk(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, *(handler.body for handler in node.handlers), node.orelse, node.finalbody):
+                    yield from walk(block)
+
+    yield from walk(ast.parse(path.read_text(), str(path)).body)
+
+
+def _names(node: ast.AST, module: str, is_package: bool) -> Iterator[tuple[str, int]]:
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name, node.lineno
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            anchor = module.split(".")
+            anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+            base = ".".join(anchor + ([node.module] if node.module else []))
+        else:
+            base = node.module or ""
+        yield base, node.lineno
+        for alias in node.names:
+            yield f"{base}.{alias.name}", node.lineno
 
 
 @functools.cache
@@ -152,3 +173,22 @@ def test_layers_import_only_downward(layer: str) -> None:
         if target.split(".")[0] in FORBIDDEN[layer]
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_api_does_not_load_torch() -> None:
+    """The API resolves no model: torch would cost each of its workers seconds of start-up and hundreds of MB. What
+    importing `api.app` imports at once, followed through the project's modules, never reaches torch."""
+    modules = project_modules()
+    seen, todo, loads = {"api.app"}, ["api.app"], []
+    while todo:
+        module = todo.pop()
+        for name in eagerly_imported_names(modules[module], module):
+            if name.split(".")[0] in ("torch", "triton", "transformers", "sentence_transformers"):
+                loads.append(f"{module} imports {name}")
+            parts = name.split(".")
+            for end in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
+                target = ".".join(parts[:end])
+                if target in modules and target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+    assert not loads, loads

@@ -106,15 +106,21 @@ def set_batch_model(sessions: SessionFactory, batch_id: str, model: str) -> None
 
 
 def fail_batch(sessions: SessionFactory, batch_id: str, code: str, message: str) -> list[str]:
-    """Fail a batch validate could not read; returns the webhook deliveries to enqueue."""
+    """Fail a batch validate could not read (or gave up on); returns the webhook deliveries to enqueue."""
     with sessions.begin() as session:
         batch = lock_batch(session, batch_id)
         if batch is None or batch.status not in STARTABLE:
             return []
-        batch.status = BatchStatus.failed
-        batch.failed_at = utcnow()
-        batch.errors = [{"code": code, "message": message, "param": None, "line": None}]
-        return record_batch_event(session, batch)
+        return fail_locked(session, batch, code, message)
+
+
+def fail_locked(session: Session, batch: Batch, code: str, message: str) -> list[str]:
+    """`failed` with one batch-level error, for a batch whose row lock `session` holds; returns the webhook
+    deliveries to enqueue once it commits. Its counts and any results its chunks wrote stay as they are."""
+    batch.status = BatchStatus.failed
+    batch.failed_at = utcnow()
+    batch.errors = [{"code": code, "message": message, "param": None, "line": None}]
+    return record_batch_event(session, batch)
 
 
 def write_chunk_result(store: ObjectStore, batch_id: str, index: int, result: ChunkResult) -> None:

@@ -119,6 +119,17 @@ class Pipeline:
         if recorded is not None:
             self._enqueue(batch_id, recorded)
 
+    def give_up_validate(self, batch_id: str, attempts: int, error: BaseException) -> None:
+        """Validate failed `attempts` times and is not retried again: the batch fails now, not at its expiry. The
+        client gets the error's class only; the worker's log has the whole of it."""
+        log.error("batch %s: validate failed %d times, failing the batch", batch_id, attempts, exc_info=error)
+        self._fail(
+            batch_id,
+            "validation_failed",
+            f"validation could not complete: {attempts} attempts failed, the last with {type(error).__name__}; "
+            "no request was run, and the same batch created again may succeed",
+        )
+
     def _enqueue(self, batch_id: str, recorded: RecordedChunks) -> None:
         if not recorded.chunk_indexes:
             self.enqueue_finalize(batch_id)

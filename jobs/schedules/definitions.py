@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
+from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from jobs.batches import (
@@ -174,7 +174,7 @@ def get_schedule(session: Session, project_id: str, schedule_id: str, *, for_upd
     return schedule
 
 
-def list_schedules(session: Session, project_id: str, *, after: str | None, limit: int) -> Page[Schedule]:
+def list_schedules(session: Session, project_id: str, *, after: str | None, limit: int) -> Page[Row[Any]]:
     return paginate(session, Schedule, project_id, after=after, limit=limit)
 
 

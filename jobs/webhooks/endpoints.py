@@ -7,9 +7,10 @@ Events and their delivery are `jobs.webhooks.events` and `jobs.webhooks.delivery
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
-from sqlalchemy import delete, select
+from sqlalchemy import Row, delete, select
 from sqlalchemy.orm import Session
 
 from jobs.errors import ServiceError
@@ -24,7 +25,7 @@ ENDPOINT_NAME_MAX_LENGTH = 256  # WebhookEndpoint.name's column
 
 @dataclass(frozen=True)
 class DeliveryHistory:
-    delivery: WebhookDelivery
+    delivery: Row[Any]  # of plain_columns(WebhookDelivery)
     event: WebhookEvent
     attempts: list[WebhookAttempt]  # in order
 
@@ -114,7 +115,7 @@ def get_endpoint(session: Session, project_id: str, endpoint_id: str, *, for_upd
     return endpoint
 
 
-def list_endpoints(session: Session, project_id: str, *, after: str | None, limit: int) -> Page[WebhookEndpoint]:
+def list_endpoints(session: Session, project_id: str, *, after: str | None, limit: int) -> Page[Row[Any]]:
     return paginate(session, WebhookEndpoint, project_id, after=after, limit=limit)
 
 
