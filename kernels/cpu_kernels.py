@@ -12,7 +12,7 @@ of 16; its oracle is exact attention per sequence, which it meets as closely as 
 Their bf16 LayerNorm reads each row once (torch's: 1.7x the time); its oracle is torch's.
 
 The extension compiles with torch's cpp_extension (ninja + the system C++ compiler) into
-`$TORCH_EXTENSIONS_DIR`, once per machine and source version. Where it cannot be built,
+`$TORCH_EXTENSIONS_DIR`, once per source version, checkout and CPU. Where it cannot be built,
 `load_cpu_kernels()` returns None and the engine keeps the torch path.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import platform
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -37,11 +38,8 @@ def load_cpu_kernels() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
-        # The source's hash in the name: checkouts of different versions on one machine (a CI clone beside a
-        # working tree) each get their own build instead of rebuilding, or loading, one another's.
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
         return cpp_extension.load(
-            name=f"conveyor_cpu_kernels_{digest}",
+            name=f"conveyor_cpu_kernels_{_build_digest()}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
@@ -49,6 +47,28 @@ def load_cpu_kernels() -> ModuleType | None:
     except Exception as error:  # any build failure means: use the torch path
         log.warning("CPU kernels unavailable, using the torch path: %s", error)
         return None
+
+
+def _build_digest() -> str:
+    """Names the build after what it depends on. The source: checkouts of different versions on one machine (a CI
+    clone beside a working tree) neither load nor rebuild one another's. The checkout's path: torch's build file
+    records the source's absolute path, so two checkouts of one version sharing a build would rebuild it in turn.
+    The CPU: `-march=native` code from another CPU (a home directory moved between an AMX and an AVX-512 machine)
+    could stop on an illegal instruction."""
+    digest = hashlib.sha256(_SOURCE.read_bytes())
+    digest.update(str(_SOURCE.resolve()).encode())
+    digest.update(_cpu_identity().encode())
+    return digest.hexdigest()[:12]
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (Linux), else what the platform module knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags")
+    return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in wanted))
 
 
 def _kernels() -> ModuleType:
