@@ -136,16 +136,17 @@ class BatchErrors(BaseModel):
     data: list[BatchErrorEntry]
 
 
-class BatchObject(BaseModel):
+class JobLifecycle(BaseModel):
+    """What every job object shows of its run: a batch's and a RAG job's status, counts, files and timestamps."""
+
     id: str
-    object: Literal["batch"] = "batch"
-    endpoint: str
+    status: str
     errors: BatchErrors | None
     input_file_id: str
-    completion_window: str
-    status: str
     output_file_id: str | None
     error_file_id: str | None
+    request_counts: RequestCounts
+    completion_window: str
     created_at: int
     in_progress_at: int | None
     expires_at: int | None
@@ -155,24 +156,24 @@ class BatchObject(BaseModel):
     expired_at: int | None
     cancelling_at: int | None
     cancelled_at: int | None
-    request_counts: RequestCounts
     metadata: dict[str, str] | None = Field(default=None)
     priority: int = 0
-    model: str | None = None  # the served model its lines resolve to (set when validation starts)
-    usage: BatchUsage | None = None
 
-    @classmethod
-    def of(cls, row: Batch) -> "BatchObject":
+    @staticmethod
+    def fields_of(row: Batch) -> dict[str, Any]:
+        """The lifecycle fields of a batch row (an ORM object or a Core row with its attribute names)."""
         errors: list[dict[str, Any]] | None = row.errors
-        return cls(
+        return dict(
             id=row.id,
-            endpoint=row.endpoint,
+            status=row.status.value,
             errors=BatchErrors(data=[BatchErrorEntry(**entry) for entry in errors]) if errors else None,
             input_file_id=row.input_file_id,
-            completion_window=row.completion_window,
-            status=row.status.value,
             output_file_id=row.output_file_id,
             error_file_id=row.error_file_id,
+            request_counts=RequestCounts(
+                total=row.total_requests, completed=row.completed_requests, failed=row.failed_requests
+            ),
+            completion_window=row.completion_window,
             created_at=int(row.created_at.timestamp()),
             in_progress_at=_unix(row.in_progress_at),
             expires_at=_unix(row.expires_at),
@@ -182,11 +183,22 @@ class BatchObject(BaseModel):
             expired_at=_unix(row.expired_at),
             cancelling_at=_unix(row.cancelling_at),
             cancelled_at=_unix(row.cancelled_at),
-            request_counts=RequestCounts(
-                total=row.total_requests, completed=row.completed_requests, failed=row.failed_requests
-            ),
             metadata=row.batch_metadata,
             priority=row.priority,
+        )
+
+
+class BatchObject(JobLifecycle):
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: str | None = None  # the served model its lines resolve to (set when validation starts)
+    usage: BatchUsage | None = None
+
+    @classmethod
+    def of(cls, row: Batch) -> "BatchObject":
+        return cls(
+            **cls.fields_of(row),
+            endpoint=row.endpoint,
             model=row.model,
             usage=BatchUsage(
                 input_tokens=row.input_tokens or 0,
@@ -234,40 +246,20 @@ class CreateRagJob(BaseModel):
         )
 
 
-class RagJobObject(BaseModel):
-    """A RAG preprocessing job; request_counts count documents."""
+class RagJobObject(JobLifecycle):
+    """A RAG preprocessing job; request_counts count documents. `input_file_id` is the uploaded file, or for
+    input_prefix the listing of the prefix's objects; `output_file_id` is Parquet (one row per chunk) and
+    `error_file_id` JSONL ({"doc_id", "error": {"code", "message"}} per document that failed)."""
 
-    id: str
     object: Literal["rag.job"] = "rag.job"
-    status: str
     options: dict[str, Any]
-    input_file_id: str  # the uploaded file, or for input_prefix the listing of the prefix's objects
     input_prefix: str | None
-    errors: BatchErrors | None
-    request_counts: RequestCounts
-    output_file_id: str | None  # Parquet: one row per chunk
     manifest_file_id: str | None  # JSON: options, counts, models, files
-    error_file_id: str | None  # JSONL: {"doc_id", "error": {"code", "message"}} per document that failed
-    completion_window: str
-    created_at: int
-    in_progress_at: int | None
-    expires_at: int | None
-    finalizing_at: int | None
-    completed_at: int | None
-    failed_at: int | None
-    expired_at: int | None
-    cancelling_at: int | None
-    cancelled_at: int | None
-    metadata: dict[str, str] | None
-    priority: int
 
     @classmethod
     def of(cls, row: Batch) -> "RagJobObject":
-        batch = BatchObject.of(row)
         return cls(
-            **batch.model_dump(exclude={"id", "object", "endpoint", "errors", "model", "usage"}),
-            id=row.id,
-            errors=batch.errors,
+            **cls.fields_of(row),
             options=row.rag_options or {},
             input_prefix=row.input_prefix,
             manifest_file_id=manifest_file_id(row.id) if has_manifest(row) else None,
