@@ -261,7 +261,7 @@ def test_converter_version_is_in_the_cache_key(tmp_path, monkeypatch):
     path = tmp_path / "any.gguf"
     path.write_bytes(b"GGUF")
     key = _gguf_cache_key(path)
-    monkeypatch.setattr("engine.model_registry.CONVERTER_VERSION", CONVERTER_VERSION + 1)
+    monkeypatch.setattr("engine.gguf_import.CONVERTER_VERSION", CONVERTER_VERSION + 1)
     assert _gguf_cache_key(path) != key
 
 
