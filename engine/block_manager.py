@@ -35,11 +35,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.prefix_cache import PrefixCache, extend_block_hashes
+from engine.prefix_cache import LONG_ROPE_ROOT, BlockHash, PrefixCache, extend_block_hashes
 from engine.sequence import Sequence
 
 BlockPairs = list[tuple[int, int]]  # (source block, destination block)
 FREED = -1  # a table entry whose block was released because no query will read it again
+
+
+def _hash_root(seq: Sequence) -> BlockHash | None:
+    """Where the sequence's prefix-cache names start: apart for K/V rotated with LongRoPE's long factors."""
+    return LONG_ROPE_ROOT if seq.long_rope else None
 
 
 class BlockManager:
@@ -104,7 +109,7 @@ class BlockManager:
         token is always left to compute, since its logits are needed."""
         if self.prefix_cache is None:
             return []
-        extend_block_hashes(seq.block_hashes, seq.token_ids_slice, seq.num_tokens, self.block_size)
+        extend_block_hashes(seq.block_hashes, seq.token_ids_slice, seq.num_tokens, self.block_size, _hash_root(seq))
         usable = (seq.num_tokens - 1) // self.block_size
         return self.prefix_cache.lookup(seq.block_hashes[:usable])
 
@@ -171,6 +176,7 @@ class BlockManager:
         self._tables[child.seq_id] = list(table)
         self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
         child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
+        child.long_rope = parent.long_rope
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Offer the blocks `seq` has completely computed to the prefix cache."""
@@ -180,7 +186,9 @@ class BlockManager:
         registered = self._num_registered.get(seq.seq_id, 0)
         if num_full <= registered:
             return
-        extend_block_hashes(seq.block_hashes, seq.token_ids_slice, num_full * self.block_size, self.block_size)
+        extend_block_hashes(
+            seq.block_hashes, seq.token_ids_slice, num_full * self.block_size, self.block_size, _hash_root(seq)
+        )
         table = self._tables[seq.seq_id]
         for index in range(registered, num_full):
             if table[index] != FREED:

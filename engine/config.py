@@ -117,6 +117,14 @@ class ModelConfig:
     moe: MoeConfig | None = None  # mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE); None: dense
 
     @property
+    def long_rope_threshold(self) -> int | None:
+        """LongRoPE (Phi-3's 128k models): a sequence of more tokens than this is rotated with the long factors,
+        all its positions; one of at most this many with the short factors. None for every other RoPE."""
+        if self.rope_scaling is None or self.rope_scaling.get("rope_type") != "longrope":
+            return None
+        return self.rope_scaling["original_max_position_embeddings"]
+
+    @property
     def uniform_window(self) -> int | None:
         """The window when every layer has the same one (then KV blocks outside it are never read
         again by any layer and can be freed); None when any layer attends fully."""
@@ -206,7 +214,35 @@ def _rope_settings(hf: dict[str, Any], architecture: str) -> tuple[float, dict[s
     rope_scaling = hf.get("rope_scaling")
     if rope_scaling is None and params.get("rope_type", "default") != "default":
         rope_scaling = params
+    if rope_scaling is not None and _is_long_rope(rope_scaling, architecture):
+        if local_theta is not None:
+            raise ValueError("LongRoPE with a second RoPE base for the sliding-window layers is not supported")
+        rope_scaling = _long_rope_scaling(hf, rope_scaling, architecture)
     return float(rope_theta), rope_scaling, None if local_theta is None else float(local_theta)
+
+
+def _is_long_rope(scaling: dict[str, Any], architecture: str) -> bool:
+    """LongRoPE goes by "su" in the first Phi-3 configs; transformers' Phi-3 also reads "yarn" as LongRoPE."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    return kind in ("longrope", "su") or (architecture == "Phi3ForCausalLM" and kind == "yarn")
+
+
+def _long_rope_scaling(hf: dict[str, Any], scaling: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """LongRoPE's parameters completed as transformers completes them, so the dict says everything: the
+    pretraining context (Phi-3's top-level `original_max_position_embeddings` wins, 4096 by default; otherwise
+    the dict's, else max_position_embeddings) and `factor` (else the ratio of the two contexts, which sets the
+    attention factor)."""
+    max_positions = hf.get("max_position_embeddings", 4096)
+    if architecture == "Phi3ForCausalLM":
+        original = hf.get("original_max_position_embeddings") or 4096
+    else:
+        original = scaling.get("original_max_position_embeddings") or max_positions
+    return {
+        **scaling,
+        "rope_type": "longrope",
+        "original_max_position_embeddings": int(original),
+        "factor": scaling.get("factor") or max_positions / original,
+    }
 
 
 def _layer_windows(hf: dict[str, Any], architecture: str) -> tuple[int | None, ...]:

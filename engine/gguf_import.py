@@ -1,12 +1,15 @@
-"""Turn a llama.cpp GGUF file (Llama, Qwen2/3, Phi-3, Gemma 2/3; byte-level or SentencePiece BPE vocabulary) into a
-Hugging Face model folder.
+"""Turn a llama.cpp GGUF file (Llama, Qwen2/3, Phi-3, Gemma 2/3, and the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE; byte-level or SentencePiece BPE vocabulary) into a Hugging Face model folder.
 
 The folder holds `model.safetensors`, `config.json`, `generation_config.json`, `tokenizer.json` and
 `tokenizer_config.json`, so both this engine and `transformers` load it like any checkpoint from the Hub.
 Tensors keep the file's precision where it is a float type (F32 norms stay F32, F16 stays F16, BF16 stays
 BF16); quantized tensors are dequantized to bfloat16, never float32, so a Q4 file grows about 4x, not 8x.
-RoPE scaling comes from the file: `rope.scaling.*` (linear, yarn) and Llama 3.1's `rope_freqs` tensor of
-per-frequency divisors, turned back into transformers' `llama3` parameters.
+llama.cpp stacks a layer's experts into one tensor per projection (`ffn_gate_exps`, `ffn_up_exps`,
+`ffn_down_exps`); they are written back one tensor per expert, as transformers saves MoE checkpoints.
+RoPE scaling comes from the file: `rope.scaling.*` (linear, yarn), Llama 3.1's `rope_freqs` tensor of
+per-frequency divisors, turned back into transformers' `llama3` parameters, and Phi-3's LongRoPE factors
+(`rope_factors_long` / `rope_factors_short`).
 """
 
 from __future__ import annotations
@@ -55,7 +58,11 @@ _ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# llama.cpp files Mixtral as `llama` with experts.
+_MIXTRAL = "MixtralForCausalLM"
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -68,9 +75,24 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts, in Qwen-MoE's names; `{expert}`: the stacked tensor is split into one per expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Where a family's llama.cpp layout differs from Llama's.
 _LAYER_TENSOR_OVERRIDES = {
+    "llama": {  # Mixtral's names, as transformers saves them
+        "ffn_gate_inp": "block_sparse_moe.gate",
+        "ffn_gate_exps": "block_sparse_moe.experts.{expert}.w1",
+        "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3",
+        "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
+    },
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused, as in the HF checkpoint
     "gemma2": {
         "post_attention_norm": "post_attention_layernorm",
@@ -87,6 +109,8 @@ _GLOBAL_TENSORS = {
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Not weights: RoPE factors, read into config.json instead.
 _ROPE_FREQS = "rope_freqs.weight"
+_LONG_FACTORS, _SHORT_FACTORS = "rope_factors_long.weight", "rope_factors_short.weight"
+_ROPE_TENSORS = {_ROPE_FREQS, _LONG_FACTORS, _SHORT_FACTORS}
 # Default llama3 context the factors were computed for, when the file does not say (Llama 3.1's).
 _LLAMA3_ORIGINAL_CONTEXT = 8192
 
@@ -126,15 +150,13 @@ def _hf_config(architecture: str, metadata: dict[str, Any], tensors: dict[str, A
     def key(name: str, default: Any = None) -> Any:
         return metadata.get(f"{architecture}.{name}", default)
 
-    if "rope_factors_long.weight" in tensors:
-        raise ValueError("GGUF files with Phi-3 LongRoPE factors (rope_factors_long/short) are not supported")
     heads = key("attention.head_count")
     hidden = key("embedding_length")
     layers = key("block_count")
     head_dim = key("attention.key_length") or hidden // heads
     embedding_dtype = _safetensors_dtype(tensors["token_embd.weight"].tensor_type)
     config: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[architecture]],
+        "architectures": [_hf_architecture(architecture, metadata)],
         "model_type": architecture,
         "vocab_size": key("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
         "hidden_size": hidden,
@@ -154,8 +176,13 @@ def _hf_config(architecture: str, metadata: dict[str, Any], tensors: dict[str, A
         # The matrices' type (the norms may be wider), which transformers loads the model as.
         "torch_dtype": str(embedding_dtype).removeprefix("torch."),
     }
-    if architecture == "qwen2":
-        config["use_sliding_window"] = False  # llama.cpp runs Qwen2 without a window
+    if (config["rope_scaling"] or {}).get("rope_type") == "longrope":
+        # Phi-3's config keeps the pretraining context here, and transformers reads it from here first.
+        config["original_max_position_embeddings"] = config["rope_scaling"]["original_max_position_embeddings"]
+    if architecture in ("qwen2", "qwen2moe", "qwen3moe"):
+        config["use_sliding_window"] = False  # llama.cpp runs the Qwen families without a window
+    if key("expert_count"):
+        config.update(_moe_config(architecture, metadata, tensors))
     if architecture == "phi3" and key("attention.sliding_window"):
         config["sliding_window"] = key("attention.sliding_window")
     if architecture in ("gemma2", "gemma3"):
@@ -182,12 +209,49 @@ def _hf_config(architecture: str, metadata: dict[str, Any], tensors: dict[str, A
     return config
 
 
+def _hf_architecture(architecture: str, metadata: dict[str, Any]) -> str:
+    return _MIXTRAL if architecture == "llama" and metadata.get("llama.expert_count") else _ARCHITECTURES[architecture]
+
+
+def _moe_config(architecture: str, metadata: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """The experts' config.json fields. Routing follows llama.cpp, which renormalises the top-k weights of Mixtral
+    and Qwen3-MoE and not Qwen2-MoE's, unless the file says (`expert_weights_norm`). A Qwen layer without a router
+    is dense (transformers' `mlp_only_layers`)."""
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"{architecture}.{name}", default)
+
+    if architecture == "llama":
+        return {"model_type": "mixtral", "num_local_experts": key("expert_count"),
+                "num_experts_per_tok": key("expert_used_count")}
+    config = {
+        "model_type": "qwen2_moe" if architecture == "qwen2moe" else "qwen3_moe",
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "norm_topk_prob": bool(key("expert_weights_norm", architecture == "qwen3moe")),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [
+            layer for layer in range(key("block_count")) if f"blk.{layer}.ffn_gate_inp.weight" not in tensors
+        ],
+    }
+    if architecture == "qwen2moe":
+        config["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length", 0)
+        config["qkv_bias"] = "blk.0.attn_q.bias" in tensors  # transformers' name for Qwen2-MoE's attention_bias
+    return config
+
+
 def _rope_scaling(architecture: str, metadata: dict[str, Any], tensors: dict[str, Any], head_dim: int) -> dict | None:
-    """transformers' rope_scaling from the file: `rope.scaling.type` linear or yarn, or `rope_freqs`."""
+    """transformers' rope_scaling from the file: `rope.scaling.type` linear or yarn, `rope_freqs`, or LongRoPE's
+    factor tensors."""
     def key(name: str, default: Any = None) -> Any:
         return metadata.get(f"{architecture}.{name}", default)
 
     kind = key("rope.scaling.type", "none")
+    if _LONG_FACTORS in tensors or _SHORT_FACTORS in tensors:
+        if kind not in ("none", "longrope"):
+            raise ValueError(f"GGUF has LongRoPE factors and rope.scaling.type {kind!r}")
+        return _long_rope_scaling(tensors, key("rope.scaling.original_context_length"), key("context_length"),
+                                  key("rope.scaling.attn_factor"))
     if _ROPE_FREQS in tensors:
         if kind not in ("none", "llama3"):
             raise ValueError(f"GGUF has both rope_freqs and rope.scaling.type {kind!r}")
@@ -207,6 +271,27 @@ def _rope_scaling(architecture: str, metadata: dict[str, Any], tensors: dict[str
                 scaling[name] = _as_float32_literal(key(gguf_name))
         return scaling
     raise ValueError(f"GGUF rope.scaling.type {kind!r} is not supported; supported: none, linear, yarn, rope_freqs")
+
+
+def _long_rope_scaling(
+    tensors: dict[str, Any], original_context: int | None, context: int, attention_factor: float | None
+) -> dict[str, Any]:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it: the short and long factors as tensors, the pretraining
+    context, and the attention factor it computed from the two contexts (as transformers does when the config
+    gives none: kept only where it differs from that)."""
+    if _LONG_FACTORS not in tensors or _SHORT_FACTORS not in tensors or original_context is None:
+        raise ValueError("GGUF LongRoPE needs rope_factors_long, rope_factors_short and rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for name, tensor_name in (("short_factor", _SHORT_FACTORS), ("long_factor", _LONG_FACTORS)):
+        tensor = tensors[tensor_name]
+        factors = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        scaling[name] = [_as_float32_literal(factor) for factor in factors.reshape(-1)]
+    scaling["original_max_position_embeddings"] = original_context
+    factor = context / original_context
+    default = math.sqrt(1 + math.log(factor) / math.log(original_context)) if factor > 1 else 1.0
+    if attention_factor is not None and not math.isclose(attention_factor, default, rel_tol=1e-6):
+        scaling["attention_factor"] = _as_float32_literal(attention_factor)
+    return scaling
 
 
 def _llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, original_context: int) -> dict[str, Any]:
@@ -258,7 +343,7 @@ def _hf_tensors(architecture: str, tensors: dict[str, Any], hf_config: dict[str,
     converted: dict[str, torch.Tensor] = {}
     gemma = architecture in ("gemma2", "gemma3")
     for gguf_name, tensor in tensors.items():
-        if gguf_name == _ROPE_FREQS:
+        if gguf_name in _ROPE_TENSORS:
             continue
         # numpy's shape is GGUF's reversed, so a matrix arrives as (out_features, in_features) like torch's Linear.
         # np.asarray drops the memmap subclass, whose per-slice bookkeeping would dominate dequantization time.
@@ -270,11 +355,20 @@ def _hf_tensors(architecture: str, tensors: dict[str, Any], hf_config: dict[str,
             weights = _undo_rope_permutation(weights, hf_config["num_key_value_heads"])
         if gemma and name.endswith("norm.weight"):
             weights = weights - 1  # llama.cpp stores Gemma's (1 + weight); the checkpoint holds weight
-        weights = np.ascontiguousarray(weights, dtype=np.float32)
-        if not weights.flags.writeable:  # still the file's memory map (an F32 tensor): torch wants its own
-            weights = weights.copy()
-        converted[name] = torch.from_numpy(weights).to(_safetensors_dtype(tensor.tensor_type))
+        dtype = _safetensors_dtype(tensor.tensor_type)
+        if "{expert}" in name:  # each expert its own copy: safetensors refuses tensors sharing memory
+            for expert, matrix in enumerate(weights):
+                converted[name.format(expert=expert)] = _to_torch(matrix.copy(), dtype)
+        else:
+            converted[name] = _to_torch(weights, dtype)
     return converted
+
+
+def _to_torch(weights: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    weights = np.ascontiguousarray(weights, dtype=np.float32)
+    if not weights.flags.writeable:  # still the file's memory map (an F32 tensor): torch wants its own
+        weights = weights.copy()
+    return torch.from_numpy(weights).to(dtype)
 
 
 def _hf_name(architecture: str, gguf_name: str) -> str:

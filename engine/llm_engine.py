@@ -129,7 +129,7 @@ class LLMEngine:
             self.config.enable_prefix_caching,
             self.model_config.uniform_window,
         )
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.model_config.long_rope_threshold)
         self._bytes_per_block = shard.bytes_per_block * tp_size  # the block on every rank
         self.admission_limits = AdmissionLimits(
             max_sequences_per_request=self.config.max_sequences_per_request,

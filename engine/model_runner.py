@@ -189,7 +189,7 @@ class ModelRunner:
             start, table = item.start_position, item.block_table
             stop = start + item.num_new_tokens
             token_ids.extend(item.token_ids)
-            positions.extend(range(start, stop))
+            positions.extend(self.model.long_rope_rows(range(start, stop)) if item.long_rope else range(start, stop))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, stop))
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
             seq_lens.append(stop)

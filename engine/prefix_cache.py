@@ -2,8 +2,10 @@
 later sequence that starts with the same tokens reuses them instead of recomputing them.
 
 A block's hash chains its parent's hash with its own tokens, so equal hashes mean equal prefixes,
-not just equal blocks. Cached blocks whose last owner let go stay resident, in least-recently-used
-order, and are evicted only when the free pool runs dry.
+not just equal blocks. A block's K/V also depend on the rotary table they were computed with: a
+sequence on LongRoPE's long factors starts its chain from LONG_ROPE_ROOT, so its blocks and the short
+factors' never mix. Cached blocks whose last owner let go stay resident, in least-recently-used order,
+and are evicted only when the free pool runs dry.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 BlockHash = bytes
+LONG_ROPE_ROOT: BlockHash = b"long-rope"  # the parent of a long-factor sequence's first block
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -25,12 +28,16 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_slice: Callable[[int, int], Sequence[int]], num_tokens: int, block_size: int
+    hashes: list[BlockHash],
+    token_slice: Callable[[int, int], Sequence[int]],
+    num_tokens: int,
+    block_size: int,
+    root: BlockHash | None = None,
 ) -> None:
     """Append the hashes of the full blocks among the first `num_tokens` tokens not hashed yet;
-    `token_slice(start, stop)` gives a sequence's tokens."""
+    `token_slice(start, stop)` gives a sequence's tokens, `root` is the first block's parent."""
     for index in range(len(hashes), num_tokens // block_size):
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else root
         hashes.append(hash_block(parent, token_slice(index * block_size, (index + 1) * block_size)))
 
 

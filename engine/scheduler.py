@@ -25,6 +25,15 @@ admitted only once the previous one has wholly finished (its seats stay empty as
 With `lookahead_admission_steps`, a prompt whose chunk does not fit the free blocks computes the
 part that fits, when decoding sequences that reach max_tokens within that many steps will release
 the rest; a prompt part-way through such a prefill waits for them rather than preempting anyone.
+
+LongRoPE (Phi-3's 128k models) rotates a sequence with its short factors while it has at most
+`long_rope_threshold` tokens and with its long factors, at every position, beyond: transformers' own
+generation recomputes the whole sequence once, when it grows past the threshold, and so does this scheduler.
+Cached K/V cannot be re-rotated instead: every layer above the first was computed from attention outputs of
+the short rotation. A sequence's table is fixed when its computation starts (`Sequence.long_rope`, sent to
+the runner with each scheduled chunk, so a prompt longer than the threshold is long from its first chunk);
+a running or swapped sequence whose cache no longer matches its length is sent back to wait and recomputed
+(`SchedulerCounters.long_rope_recomputes`), at most once in its life.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ class ScheduledSequence:
     token_ids: tuple[int, ...]  # the tokens computed this step
     block_table: tuple[int, ...]  # covers start_position + len(token_ids) tokens
     needs_sample: bool  # this step reaches the sequence's last known token, so it yields a new one
+    long_rope: bool = False  # rotate with LongRoPE's long factors (Sequence.long_rope)
     # Prompt log-probs (SamplingParams.prompt_logprobs): the prompt tokens this step's logits predict, one per
     # computed position up to the prompt's last but one; empty when not asked for. With how many alternatives each.
     prompt_logprob_targets: tuple[int, ...] = ()
@@ -83,6 +93,7 @@ class SchedulerCounters:
     blocks_swapped_in: int = 0
     prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted sequences, with prefix caching on
     prefix_cache_hit_tokens: int = 0  # of those, tokens found in the cache and not computed
+    long_rope_recomputes: int = 0  # sequences recomputed on growing past LongRoPE's threshold
 
 
 def _schedule_key(seq: Sequence) -> tuple[int, int]:
@@ -110,9 +121,11 @@ _VICTIM_KEYS: dict[str, Callable[[Sequence], tuple[int, int, int]]] = {
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, long_rope_threshold: int | None = None) -> None:
+        """`long_rope_threshold`: the model's `ModelConfig.long_rope_threshold` (LongRoPE); None for other models."""
         self.config = config
         self.block_manager = block_manager
+        self.long_rope_threshold = long_rope_threshold
         # All queues are kept sorted by Sequence.schedule_key (priority, then arrival).
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -127,8 +140,25 @@ class Scheduler:
         self._head_overtakes = 0  # requests admitted before it since it became the head
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence with nothing computed (new, or to recompute)."""
         seq.status = SequenceStatus.WAITING
+        self._take_rope_table(seq)
         bisect.insort(self.waiting, seq, key=_schedule_key)
+
+    def _wants_long_rope(self, seq: Sequence) -> bool:
+        return self.long_rope_threshold is not None and seq.num_tokens > self.long_rope_threshold
+
+    def _take_rope_table(self, seq: Sequence) -> None:
+        """A sequence with nothing computed takes the rotary table its length asks for (LongRoPE)."""
+        long_rope = self._wants_long_rope(seq)
+        if long_rope != seq.long_rope:  # its prefix-cache names were those of the other table
+            seq.long_rope, seq.block_hashes = long_rope, []
+
+    def _recompute(self, seq: Sequence) -> None:
+        """Drop the sequence's K/V (in both pools) and queue it to compute again from its tokens."""
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        self.add(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one: it already holds (shared) blocks."""
@@ -154,6 +184,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.long_rope != self._wants_long_rope(seq):  # grew past LongRoPE's threshold: admitted again below
+                self.running.remove(seq)
+                self._recompute(seq)
+                self.counters.long_rope_recomputes += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' logits
                 index += 1
@@ -240,10 +275,8 @@ class Scheduler:
             self.counters.preemptions["swap"] += 1
             self.counters.blocks_swapped_out += num_blocks
             return
-        manager.free(seq.seq_id)
-        seq.num_computed_tokens = 0
+        self._recompute(seq)
         self.counters.preemptions["recompute"] += 1
-        self.add(seq)
 
     def _admit_queued(
         self, budget: int, scheduled: list[ScheduledSequence], swap_in: BlockPairs, releasable: int
@@ -300,6 +333,13 @@ class Scheduler:
         # With nothing running no burst can preempt anything, and the reserve must not lock out a
         # sequence that needs the whole pool.
         reserve = self._watermark_blocks if self.running else 0
+        if seq.long_rope != self._wants_long_rope(seq):  # a queued beam its request's step grew past LongRoPE's threshold
+            if seq.status is SequenceStatus.SWAPPED:  # its host copy is of the short table: it computes again, below
+                self.swapped.remove(seq)
+                self._recompute(seq)
+                self.counters.long_rope_recomputes += 1
+            else:
+                self._take_rope_table(seq)
         if seq.status is SequenceStatus.SWAPPED:
             num_host = manager.num_host_blocks_of(seq.seq_id)
             num_new = min(seq.num_uncomputed_tokens, budget)
@@ -364,6 +404,7 @@ class Scheduler:
             token_ids=tuple(seq.token_ids_slice(start, stop)),
             block_table=tuple(self.block_manager.block_table(seq.seq_id)),
             needs_sample=stop == seq.num_tokens,
+            long_rope=seq.long_rope,
             prompt_logprob_targets=targets,
             prompt_top_logprobs=(seq.params.prompt_logprobs or 0) if targets else 0,
         )

@@ -31,6 +31,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     last_scheduled_step: int = -1  # preemption prefers victims that waited longest for a step
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks
+    # LongRoPE (Phi-3): its K/V are rotated with the long factors (it has more tokens than the model's threshold),
+    # set by the scheduler whenever its computation starts; False for every other model
+    long_rope: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -42,13 +42,16 @@ def tiny_dummy_model(tmp_path: Path) -> Path:
 
 # Sliding window of the windowed tiny checkpoints, in tokens: test prompts run past it.
 TINY_WINDOW = 12
+# LongRoPE's pretraining context of the tiny "phi3-longrope" checkpoint: test prompts start, end and cross it.
+TINY_LONG_ROPE_THRESHOLD = 32
 
 
 def save_random_hf_model(kind: str, folder: Path) -> Path:
     """A small random checkpoint saved by transformers itself (the oracle's own format): Llama, Qwen2,
     Qwen3, or a windowed family (window TINY_WINDOW): "mistral", "qwen2-window" (the second layer
     windowed), "phi3", "gemma2" (alternating, soft-capped), "gemma3" (one global layer in two, q/k norms,
-    local RoPE base), or a mixture of experts: "mixtral", "qwen2_moe" (shared expert, a dense layer),
+    local RoPE base), "phi3-longrope" (LongRoPE beyond TINY_LONG_ROPE_THRESHOLD tokens, no window), or a mixture of
+    experts: "mixtral", "qwen2_moe" (shared expert, a dense layer),
     "qwen3_moe" (every second layer sparse)."""
     import transformers
 
@@ -76,6 +79,14 @@ def save_random_hf_model(kind: str, folder: Path) -> Path:
         model_cls = transformers.Qwen2ForCausalLM
     elif kind == "phi3":
         config = transformers.Phi3Config(**common, sliding_window=TINY_WINDOW, pad_token_id=0, rope_theta=10000.0)
+        model_cls = transformers.Phi3ForCausalLM
+    elif kind == "phi3-longrope":  # factors far apart, so a sequence rotated with the wrong ones goes astray
+        half = common["hidden_size"] // common["num_attention_heads"] // 2
+        config = transformers.Phi3Config(
+            **common, original_max_position_embeddings=TINY_LONG_ROPE_THRESHOLD, pad_token_id=0, rope_theta=10000.0,
+            rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(half)],
+                          "long_factor": [1.0 + 2.0 * i for i in range(half)]},
+        )
         model_cls = transformers.Phi3ForCausalLM
     elif kind == "gemma2":
         config = transformers.Gemma2Config(

@@ -1,6 +1,7 @@
 """Llama-family decoder: Llama 2/3, Mistral, SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and Phi-3
-(whose checkpoints already fuse qkv_proj and gate_up_proj), each with the sliding windows its config
-gives (`ModelConfig.layer_windows`). Its parts are reused by the other families (models/gemma.py).
+(whose checkpoints already fuse qkv_proj and gate_up_proj; LongRoPE: see RotaryEmbedding and the scheduler),
+each with the sliding windows its config gives (`ModelConfig.layer_windows`). Its parts are reused by the
+other families (models/gemma.py, models/moe.py).
 
 Inputs are flat: all tokens of a step, from every sequence, in one [T] row, with their positions.
 Attention goes through the paged KV cache via the attention backend; nothing here is padded.
@@ -71,10 +72,21 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
 
 
-def rope_inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def rope_inverse_frequencies(
+    dim: int, theta: float, scaling: dict[str, Any] | None, long_factors: bool = False
+) -> torch.Tensor:
+    """The inverse frequencies transformers computes for `scaling`; LongRoPE's short factors, or with
+    `long_factors` its long ones (`ModelConfig` gives LongRoPE's dict as "longrope", whatever its config said)."""
     scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "longrope":
+        factors = scaling["long_factor" if long_factors else "short_factor"]
+        if len(factors) != dim // 2:
+            raise ValueError(f"LongRoPE needs head_dim / 2 = {dim // 2} long and short factors, got {len(factors)}")
+        # Divided by the factor before the inversion, as transformers computes it (the same float32 rounding).
+        base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -103,19 +115,20 @@ def rope_inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any] | N
         low, high = max(low, 0), min(high, dim - 1)
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
         return inv_freq / factor * ramp + inv_freq * (1 - ramp)
-    raise ValueError(
-        f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3, yarn (Phi-3's longrope/su "
-        f"switches factors with the sequence length and is not implemented)"
-    )
+    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3, yarn, longrope (su)")
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What YaRN multiplies cos and sin by (so attention logits grow with the stretch); 1 otherwise."""
+    """What YaRN and LongRoPE multiply cos and sin by (so attention logits grow with the stretch); 1 otherwise."""
     scaling = scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "longrope":  # the same for the short and the long factors
+        factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(factor: float, weight: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
@@ -152,7 +165,12 @@ class RopeStep:
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (first half of head_dim rotates with the second half), from
-    float32 cos/sin tables over every position."""
+    float32 cos/sin tables over every position.
+
+    The tables' rows are what the model's `positions` index. With LongRoPE they hold every position twice:
+    rows [0, max_position_embeddings) rotated with the short factors, the next as many with the long ones, and a
+    sequence on the long factors passes its positions plus max_position_embeddings (`long_rope_rows`). Each
+    sequence of a step reads its own half, so one step mixes short and long sequences, CUDA graphs included."""
 
     def __init__(self, config: ModelConfig, use_triton: bool, local: bool = False) -> None:
         """`local`: the sliding-window layers' own unscaled rotation at `local_rope_theta` (Gemma 3)."""
@@ -160,12 +178,14 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         if local:
             assert config.local_rope_theta is not None
-            inv_freq = rope_inverse_frequencies(config.head_dim, config.local_rope_theta, None)
+            inv_freqs = [rope_inverse_frequencies(config.head_dim, config.local_rope_theta, None)]
             attention_factor = 1.0
         else:
-            inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+            inv_freqs = [rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)]
+            if config.long_rope_threshold is not None:
+                inv_freqs.append(rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, True))
             attention_factor = rope_attention_factor(config.rope_scaling)
-        freqs = torch.outer(positions, inv_freq)
+        freqs = torch.cat([torch.outer(positions, inv_freq) for inv_freq in inv_freqs])
         self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
         self.use_triton = use_triton
@@ -305,10 +325,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.group = current_group()
 
+    def long_rope_rows(self, positions: range) -> range:
+        """The rotary tables' rows of `positions` for a sequence on LongRoPE's long factors (see RotaryEmbedding)."""
+        offset = self.config.max_position_embeddings
+        return range(positions.start + offset, positions.stop + offset)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T] each token's position (its rotary row: long_rope_rows on LongRoPE's long factors)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]

@@ -1,7 +1,8 @@
 """GGUF import: a Llama-3.1-style model (llama3 RoPE scaling, which llama.cpp stores as the `rope_freqs`
 tensor) written by the `gguf` package the way llama.cpp's converter writes it, read back and generating
-what the transformers model it was written from generates; precision kept (F32 stays F32, quantized
-becomes bf16, never f32); RoPE scaling types read from the file; converter version in the cache key."""
+what the transformers model it was written from generates; likewise each family's layout (Phi-3 with its
+LongRoPE factor tensors, the mixtures of experts with their stacked expert tensors); precision kept (F32 stays
+F32, quantized becomes bf16, never f32); RoPE scaling types read from the file; converter version in the cache key."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from tokenizers import pre_tokenizers
 
 from engine import LLM, SamplingParams
+from engine.config import ModelConfig
 from engine.gguf_import import CONVERTER_VERSION, convert_gguf_to_hf_folder
 from engine.model_registry import _gguf_cache_key
 from engine.tokenizer import Tokenizer
@@ -56,7 +58,10 @@ _LLAMA_CPP_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 _GEMMA_NAMES = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -117,8 +122,26 @@ def _write_gguf_from_hf(
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     _write_vocabulary(writer, config.vocab_size, sentencepiece)
-    if arch == "llama":
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(theta, head_dim, LLAMA3_SCALING))
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi3MiniModel writes it
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(config.max_position_embeddings / original) / math.log(original)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if arch != "llama":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+        if arch == "qwen3moe":  # as newer converters write it (qwen2moe: llama.cpp's default, not renormalised)
+            writer.add_expert_weights_norm(config.norm_topk_prob)
     names = _GEMMA_NAMES if arch.startswith("gemma") else _LLAMA_CPP_NAMES
     for name, tensor in model.state_dict().items():
         weights = tensor.float().numpy()
@@ -130,6 +153,16 @@ def _write_gguf_from_hf(
             if config.tie_word_embeddings:
                 continue
             gguf_name = "output.weight"
+        elif name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            # stacked experts: llama.cpp's converter splits gate_up into its gate and up halves
+            layer = name.split(".")[2]
+            if name.endswith("down_proj"):
+                writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(weights))
+            else:
+                gate, up = np.split(weights, 2, axis=1)
+                writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+                writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
         else:
             _, _, layer, rest = name.split(".", 3)
             module, _, leaf = rest.rpartition(".")
@@ -212,6 +245,22 @@ def _family(arch: str):
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=10000.0))
     if arch == "phi3":  # fused qkv and gate/up, windowed
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, sliding_window=12, rope_theta=10000.0))
+    if arch == "phi3-longrope":  # LongRoPE beyond 32 tokens: PROMPTS are on both sides
+        scaling = {"type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(8)],
+                   "long_factor": [1.0 + 2.0 * i for i in range(8)]}
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            **common, original_max_position_embeddings=32, rope_theta=10000.0, rope_scaling=scaling))
+    if arch == "mixtral":  # a `llama` file with experts: q/k rows permuted
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6))
+    if arch == "qwen2moe":  # a shared expert, top-k not renormalised, layer 1 dense
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+            shared_expert_intermediate_size=96, mlp_only_layers=[1], rope_theta=1e6))
+    if arch == "qwen3moe":  # q/k norms, top-k renormalised
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+            norm_topk_prob=True, rope_theta=1e6))
     # Gemma 2: (1 + weight) norms, four norms a layer, soft-capping, alternating windows; the query scale
     # llama.cpp assumes (head_dim, as every Gemma but the 27B models has)
     return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
@@ -219,16 +268,21 @@ def _family(arch: str):
         final_logit_softcapping=6.0))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "phi3", "gemma2"])
-def test_gguf_family_layouts_match_transformers(arch, tmp_path):
-    model = _random_weights(_family(arch))
-    path = tmp_path / f"{arch}.gguf"
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2", "phi3-longrope", "mixtral", "qwen2moe", "qwen3moe"])
+def test_gguf_family_layouts_match_transformers(family, tmp_path):
+    model = _random_weights(_family(family))
+    path = tmp_path / f"{family}.gguf"
+    arch = {"phi3-longrope": "phi3", "mixtral": "llama"}.get(family, family)
     _write_gguf_from_hf(model, path, arch)
     reference = transformers.AutoModelForCausalLM.from_config(model.config, attn_implementation="eager")
     reference.load_state_dict(model.state_dict())
     expected = _hf_generate(reference.float().eval(), PROMPTS, 20)
     llm = LLM(model=str(path), dtype="float32", device="cpu")
-    assert llm.engine.model_config.architecture == type(model).__name__
+    ours = llm.engine.model_config
+    theirs = ModelConfig.from_hf({**model.config.to_dict(), "architectures": [type(model).__name__]})
+    assert ours.architecture == type(model).__name__
+    # the experts' shapes, routing and sparse layers, and LongRoPE's threshold, as the original config says
+    assert (ours.moe, ours.long_rope_threshold) == (theirs.moe, theirs.long_rope_threshold)
     got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected
 

@@ -118,11 +118,12 @@ def test_smollm2_single_prompt_matches_hf(smollm2_case):
     assert got == [expected[:1]]
 
 
-def check_against_hf(case, setup: str, ignore_eos: bool, n: int = 1, options: dict | None = None) -> None:
+def check_against_hf(case, setup: str, ignore_eos: bool, n: int = 1, options: dict | None = None) -> LLM:
     folder, prompts, expected = case
     llm, got = run_engine(folder, prompts, setup, ignore_eos=ignore_eos, n=n, options=options)
     assert got == [[tokens] * n for tokens in expected]
     check_setup_exercised(llm, setup)
+    return llm
 
 
 def check_setup_exercised(llm, setup: str) -> None:

@@ -1,6 +1,6 @@
 """What ModelConfig reads from config.json for the families beyond Llama: per-layer windows as
-transformers assigns them, Gemma's fields, RoPE scaling (checked against transformers' own tables),
-and the refusal of quantized checkpoints and of RoPE types the engine lacks."""
+transformers assigns them, Gemma's fields, RoPE scaling (checked against transformers' own tables, LongRoPE's
+short and long ones included), and the refusal of quantized checkpoints."""
 
 from __future__ import annotations
 
@@ -57,10 +57,29 @@ def test_quantized_checkpoints_are_refused_by_name(method):
         config("LlamaForCausalLM", quantization_config={"quant_method": method, "bits": 4})
 
 
-def test_longrope_is_refused_clearly():
-    phi = config("Phi3ForCausalLM", rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]})
-    with pytest.raises(ValueError, match="longrope"):
-        rope_inverse_frequencies(phi.head_dim, phi.rope_theta, phi.rope_scaling)
+def test_longrope_tables_match_transformers():
+    """Phi-3's LongRoPE: the short factors up to the pretraining context, the long ones beyond, one attention
+    factor from the two contexts; "su" (the first Phi-3 configs' name) reads the same; factors of the wrong
+    length are refused."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 3.0 * i for i in range(8)]}
+    contexts = {"max_position_embeddings": 256, "original_max_position_embeddings": 64}
+    hf = transformers.Phi3Config(**BASE, **contexts, rope_theta=10000.0, rope_scaling={"type": "longrope", **scaling})
+    ours = ModelConfig.from_hf(hf.to_dict())
+    assert ours.long_rope_threshold == 64
+    for seq_len, long_factors in ((64, False), (65, True)):
+        expected, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=seq_len)
+        assert torch.equal(rope_inverse_frequencies(16, 10000.0, ours.rope_scaling, long_factors), expected)
+        assert rope_attention_factor(ours.rope_scaling) == attention_factor
+    su = config("Phi3ForCausalLM", **contexts, rope_scaling={"type": "su", **scaling})
+    assert su.rope_scaling == {**scaling, "type": "su", "rope_type": "longrope", "original_max_position_embeddings": 64,
+                               "factor": 4.0}
+    assert config("LlamaForCausalLM").long_rope_threshold is None
+    wrong = config("Phi3ForCausalLM", rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]})
+    with pytest.raises(ValueError, match="head_dim / 2 = 8"):
+        rope_inverse_frequencies(wrong.head_dim, wrong.rope_theta, wrong.rope_scaling)
 
 
 @pytest.mark.parametrize("scaling", [

@@ -1,7 +1,8 @@
 """The families beyond Llama/Qwen against transformers, float32 greedy, token for token: Mistral and
 Phi-3 (every layer windowed), Qwen2 with `use_sliding_window` (its later layers windowed), Gemma 2
-(alternating windowed and global layers, soft-capped scores and logits) and Gemma 3 (q/k norms, a
-second RoPE base for the windowed layers). Prompts run well past the window, so it matters; the
+(alternating windowed and global layers, soft-capped scores and logits), Gemma 3 (q/k norms, a
+second RoPE base for the windowed layers) and Phi-3 with LongRoPE (prompts short throughout, long from the
+start, and growing past the threshold while generating). Prompts run well past the window, so it matters; the
 engine runs batched with chunked prefill, swap preemption and prefix caching."""
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import torch
 from engine import LLM, SamplingParams
 from engine.block_manager import FREED
 from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
-from tests.conftest import TINY_WINDOW, save_random_hf_model
+from tests.conftest import TINY_LONG_ROPE_THRESHOLD, TINY_WINDOW, save_random_hf_model
 from tests.engine.test_hf_equivalence import ENGINE_SETUPS, check_against_hf, hf_greedy
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["mistral", "qwen2-window", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["mistral", "qwen2-window", "phi3", "gemma2", "gemma3", "phi3-longrope"]
 SETUPS = ["default", "chunked_prefill", "preemption_swap", "prefix_caching", "torch_only"]
 # Where every layer is windowed a sequence holds few blocks (those behind the window are freed): only a
 # smaller pool still forces preemption.
@@ -38,6 +39,8 @@ def family_case(request, tmp_path_factory):
     shared_prefix = [rng.randrange(3, 512) for _ in range(29)]  # longer than the window, for prefix-cache hits
     prompts = [shared_prefix + p if i % 2 else p for i, p in enumerate(prompts)]
     assert max(map(len, prompts)) > 4 * TINY_WINDOW
+    if request.param == "phi3-longrope":  # and prompts that stay within LongRoPE's short factors
+        prompts += [[rng.randrange(3, 512) for _ in range(length)] for length in (3, 9)]
     # Eager attention: transformers' reference implementation (its SDPA path drops soft-capping).
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     expected = hf_greedy(hf, prompts, 20, eos=None)
@@ -48,7 +51,13 @@ def family_case(request, tmp_path_factory):
 def test_family_matches_hf(family_case, setup):
     family, case = family_case
     setups = WINDOWED_SETUPS if family in EVERY_LAYER_WINDOWED else ENGINE_SETUPS
-    check_against_hf(case, setup, ignore_eos=True, options=setups[setup])
+    llm = check_against_hf(case, setup, ignore_eos=True, options=setups[setup])
+    if family == "phi3-longrope":
+        lengths, threshold = [len(prompt) for prompt in case[1]], TINY_LONG_ROPE_THRESHOLD
+        assert min(lengths) + 20 <= threshold < max(lengths)
+        # each prompt that grew past the threshold was computed again with the long factors, once
+        crossing = sum(threshold - 20 < length <= threshold for length in lengths)
+        assert crossing and llm.engine.scheduler.counters.long_rope_recomputes == crossing
 
 
 def test_sliding_window_frees_blocks_outside_it(tmp_path):

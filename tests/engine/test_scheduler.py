@@ -436,3 +436,55 @@ def test_least_work_victim_preempts_the_sequence_with_the_fewest_computed_tokens
             scheduler.add(seq)
         run_step(scheduler, seqs)
         assert run_step(scheduler, seqs).preempted[0] == victim  # by recency: the newest; else: 4 computed < 8
+
+
+def test_long_rope_sequence_computes_again_once_it_grows_past_the_threshold():
+    """LongRoPE with a threshold of 8 tokens: a 6-token prompt runs on the short table; once its 9th token is
+    known it is computed again, whole, on the long table (its short-table blocks stay cached under their own
+    names, and are not what the long computation finds); a prompt past the threshold is long from its first chunk."""
+    config = EngineConfig(block_size=4, num_kv_blocks=100, admission_watermark=0.0, max_num_batched_tokens=6)
+    scheduler = Scheduler(config, BlockManager(100, 4, 0, enable_prefix_caching=True), long_rope_threshold=8)
+    seq, long_prompt = make_seq(0, prompt_len=6), make_seq(1, prompt_len=10)
+    seqs = {0: seq, 1: long_prompt}
+    scheduler.add(seq)
+    steps = [run_step(scheduler, seqs) for _ in range(3)]  # the prompt, then tokens 7 and 8 decode on the short table
+    assert [(s.start_position, s.num_new_tokens, s.long_rope) for out in steps for s in out.scheduled] == [
+        (0, 6, False), (6, 1, False), (7, 1, False)]
+    assert seq.num_tokens == 9 and scheduler.counters.long_rope_recomputes == 0
+    scheduler.add(long_prompt)
+    out = run_step(scheduler, seqs)
+    assert [(s.seq_id, s.start_position, s.num_new_tokens, s.long_rope) for s in out.scheduled] == [(0, 0, 6, True)]
+    assert scheduler.counters.long_rope_recomputes == 1 and scheduler.counters.prefix_cache_hit_tokens == 0
+    out = run_step(scheduler, seqs)  # the rest of its recomputation; the long prompt starts, sharing its first block
+    assert [(s.seq_id, s.start_position, s.num_new_tokens, s.long_rope) for s in out.scheduled] == [
+        (0, 6, 3, True), (1, 4, 3, True)]
+    assert scheduler.counters.prefix_cache_hit_tokens == 4 and scheduler.counters.long_rope_recomputes == 1
+    short_twin = make_seq(2, prompt_len=6)  # finds the short-table block the first sequence left cached
+    assert len(scheduler.block_manager.cached_prefix(short_twin)) == 1
+    scheduler.block_manager.check_invariants()
+
+
+def test_queued_long_rope_sequences_that_grew_past_the_threshold_take_the_long_table():
+    """Beams parked in the host pool or waiting get their next token from their request's step: past LongRoPE's
+    threshold a swapped one's host copy is dropped and it computes again on the long table; a waiting one, with
+    nothing computed, just starts on it."""
+    config = EngineConfig(block_size=4, num_kv_blocks=100, admission_watermark=0.0, enable_prefix_caching=False)
+    scheduler = Scheduler(config, BlockManager(100, 4, 10), long_rope_threshold=8)
+    seq = make_seq(0, prompt_len=8)
+    scheduler.add(seq)
+    run_step(scheduler, {0: seq})
+    swap_out: list[tuple[int, int]] = []
+    scheduler.running.remove(seq)
+    scheduler._preempt(seq, swap_out)
+    assert seq.status is SequenceStatus.SWAPPED and swap_out
+    out = run_step(scheduler, {0: seq})
+    assert not out.blocks_to_swap_in and [(s.start_position, s.num_new_tokens, s.long_rope) for s in out.scheduled] == [
+        (0, 9, True)]
+    assert scheduler.counters.long_rope_recomputes == 1 and scheduler.block_manager.num_free_host_blocks == 10
+    waiting = make_seq(1, prompt_len=8)
+    scheduler.add(waiting)
+    waiting.output_token_ids.append(7)
+    out = scheduler.schedule()
+    assert [(s.seq_id, s.start_position, s.long_rope) for s in out.scheduled] == [(0, 9, True), (1, 0, True)]
+    assert scheduler.counters.long_rope_recomputes == 1
+    scheduler.block_manager.check_invariants()
