@@ -365,7 +365,7 @@ def test_conversion_race_keeps_the_winner(monkeypatch: pytest.MonkeyPatch, tmp_p
         (folder / "config.json").write_text('{"winner": true}')
         (out_dir / "config.json").write_text('{"winner": false}')
 
-    monkeypatch.setattr(model_registry, "convert_gguf_to_hf_folder", convert_while_another_process_finishes_first)
+    monkeypatch.setattr("engine.gguf_import.convert_gguf_to_hf_folder", convert_while_another_process_finishes_first)
     assert model_registry._convert_once(tmp_path / "x.gguf", folder) == folder
     assert json.loads((folder / "config.json").read_text()) == {"winner": True}
     assert [p.name for p in folder.parent.iterdir()] == ["m"]
