@@ -12,23 +12,29 @@ from redis import Redis
 from sqlalchemy import select
 
 from jobs.celery_app import TaskName, create_celery_app
-from jobs.db import SessionFactory, make_engine, make_session_factory
+from conveyor.local_stack import scratch_database
+from jobs.db import SessionFactory, make_engine, make_session_factory, upgrade
 from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, Project, WebhookEndpoint, WebhookEvent, utcnow
 from jobs.recovery import fail_stalled_finalizes
 from jobs.run.pipeline import Pipeline
 from jobs.settings import S3Settings, Settings
 from jobs.storage import ObjectStore
 from jobs.tasks import register_tasks
+from tests.stack_fixtures import POSTGRES_ADMIN_URL
 
 TIMEOUT = 3600.0
 STORE = ObjectStore(S3Settings(bucket="results", prefix="prod/"))  # only names keys here, never connects
 
 
 @pytest.fixture(scope="module")
-def sessions(database_url: str) -> Iterator[SessionFactory]:
-    engine = make_engine(database_url)
-    yield make_session_factory(engine)
-    engine.dispose()
+def sessions() -> Iterator[SessionFactory]:
+    """A database of this module's own: the webhook events its failed batches queue must not reach the delivery
+    sweeps other tests run over the shared one."""
+    with scratch_database(POSTGRES_ADMIN_URL) as url:
+        upgrade(url)
+        engine = make_engine(url)
+        yield make_session_factory(engine)
+        engine.dispose()
 
 
 def new_batch(sessions: SessionFactory, status: BatchStatus, since: datetime, done_chunks: int = 0) -> str:
