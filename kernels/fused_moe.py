@@ -59,7 +59,7 @@ def align_slots_to_experts(expert_ids: torch.Tensor, num_experts: int, block_m: 
     return ExpertAlignment(sorted_slots, block_experts, block_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # tokens x top_k changes every step: one compile for all
 def _expert_matmul_kernel(
     a_ptr,
     b_ptr,
