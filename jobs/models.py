@@ -144,6 +144,7 @@ class ChunkStatus(str, enum.Enum):
     pending = "pending"
     done = "done"  # its output objects exist and its counts are in the batch's
     skipped = "skipped"  # never ran: the batch was cancelled first
+    failed = "failed"  # its task failed every attempt: each of its requests has an error record, none an answer
 
 
 class Chunk(Base):

@@ -41,9 +41,16 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
     def validate(batch_id: str) -> None:
         pipeline.validate(batch_id)
 
+    def give_up_chunk(
+        task: Task, error: BaseException, task_id: str, args: tuple[str, int], kwargs: dict[str, object], einfo: object
+    ) -> None:
+        # As for validate: no retry is left, so the chunk's requests fail now and the batch finalizes, instead of
+        # the batch waiting in `in_progress` for its expiry.
+        pipeline.give_up_chunk(args[0], args[1], task.request.retries + 1, error)
+
     @app.task(
         name=TaskName.run_chunk, bind=True, autoretry_for=(Exception,), dont_autoretry_for=(Reject,),
-        retry_backoff=True, max_retries=8,
+        retry_backoff=True, max_retries=8, on_failure=give_up_chunk,
     )
     def run_chunk(self: Task, batch_id: str, index: int) -> None:
         try:

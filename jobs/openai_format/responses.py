@@ -27,6 +27,7 @@ ErrorCode = Literal[
     "invalid_line",  # a line that broke the reader itself (nested too deeply, not valid Unicode)
     "generation_failed",  # the engine failed while running this request (an engine step that blamed it)
     "generation_aborted",
+    "chunk_failed",  # the request's chunk failed every attempt (a crash the engine could not pin on one request)
     "batch_expired",  # the batch's completion window ended before this request ran to the end
 ]
 

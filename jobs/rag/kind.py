@@ -95,6 +95,9 @@ class DocumentLines:
     def expired_record(self, line: bytes) -> bytes:
         return expired_document_record(line)
 
+    def unrun_record(self, line: bytes, code: str, message: str) -> bytes:
+        return document_error_record(json.loads(line)["id"], code, message)
+
     def too_long(self, line_number: LineNumber, limit: int) -> RejectedLine:
         # Past the limit a document goes by uri, its bytes in the object store.
         message = f"the line is longer than this deployment's limit of {limit} bytes; give a large document by uri"

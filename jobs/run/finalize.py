@@ -60,29 +60,32 @@ def compose_final_files(
     kind: JobKind,
     batch: Batch,
     done: list[int],
+    failed: list[int],
     never_started: list[Chunk],
     stop_reason: StopReason | None,
     chunk_lines: ChunkLines,
 ) -> FinalFiles:
-    """The job's output, error and report files from its done chunks (`done`: their indexes, in order); for an
-    expired job, `never_started` are its skipped chunks, whose requests get an expiry record each."""
-    completed, failed = batch.completed_requests, batch.failed_requests
+    """The job's output, error and report files from its done chunks (`done`: their indexes, in order) and the
+    error records of its failed ones (`failed`); for an expired job, `never_started` are its skipped chunks, whose
+    requests get an expiry record each."""
+    completed, failed_requests = batch.completed_requests, batch.failed_requests
     expired_unstarted = sum(chunk.num_requests for chunk in never_started)
     if expired_unstarted:
         _write_expired_requests(store, batch, never_started, kind.input_lines(batch), chunk_lines)
-    failed += expired_unstarted
+    failed_requests += expired_unstarted
     finished = FinishedChunks(batch, [chunk_output_key(batch.id, index) for index in done], stop_reason)
     files: list[File] = []
     output_file_id = error_file_id = None
     if completed:
         output_file_id = derived_file_id(batch.id, "output")
         files.append(kind.output_file(finished, output_file_id))
-    if failed:
+    if failed_requests:
         error_file_id = derived_file_id(batch.id, "error")
-        sources = [validation_errors_key(batch.id)] + [chunk_errors_key(batch.id, index) for index in done]
+        with_errors = sorted(done + failed)
+        sources = [validation_errors_key(batch.id)] + [chunk_errors_key(batch.id, index) for index in with_errors]
         sources.append(expired_requests_key(batch.id))
         files.append(compose_file(store, batch.project_id, error_file_id, f"{batch.id}_error.jsonl", sources))
-    files += kind.report_files(finished, failed=failed, output_file_id=output_file_id, error_file_id=error_file_id)
+    files += kind.report_files(finished, failed=failed_requests, output_file_id=output_file_id, error_file_id=error_file_id)
     return FinalFiles(files, output_file_id, error_file_id, expired_unstarted)
 
 

@@ -161,7 +161,7 @@ def finish_chunk(
     failed: int,
     usage: TokenUsage = TokenUsage(),
 ) -> None:
-    """Mark a pending chunk done (or skipped) and, only if this call did, add its counts and usage to the batch."""
+    """Mark a pending chunk done (or skipped, or failed) and, only if this call did, add its counts and usage to the batch."""
     with sessions.begin() as session:
         claimed = session.execute(
             update(Chunk)
@@ -181,6 +181,15 @@ def finish_chunk(
                     cached_tokens=Batch.cached_tokens + usage.cached_tokens,
                 )
             )
+
+
+def fail_chunk(
+    store: ObjectStore, sessions: SessionFactory, batch_id: str, index: int, error_records: Sequence[bytes]
+) -> None:
+    """A pending chunk that will not run: its requests' error records written, the chunk `failed` and its
+    requests counted as failed. Finalize puts the records in the error file; the chunk has no output object."""
+    store.put_bytes(chunk_errors_key(batch_id, index), b"".join(error_records))
+    finish_chunk(sessions, batch_id, index, ChunkStatus.failed, 0, len(error_records))
 
 
 def finish_if_last(sessions: SessionFactory, batch_id: str) -> bool:

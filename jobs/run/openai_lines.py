@@ -38,6 +38,9 @@ class RequestLines:
     def expired_record(self, line: bytes) -> bytes:
         return jsonl(expired_record(json.loads(line)["custom_id"]))
 
+    def unrun_record(self, line: bytes, code: str, message: str) -> bytes:
+        return jsonl(error_record(LineError(json.loads(line)["custom_id"], code, message)))
+
     def too_long(self, line_number: LineNumber, limit: int) -> RejectedLine:
         message = f"line {line_number}: the line is longer than this deployment's limit of {limit} bytes"
         return RejectedLine(message, jsonl(error_record(LineError(None, "request_too_large", message))), False)

@@ -186,6 +186,31 @@ class Pipeline:
                 "batch %s chunk %d: %d completed, %d failed", batch.id, chunk.index, result.completed, result.failed
             )
 
+    def give_up_chunk(self, batch_id: str, index: int, attempts: int, error: BaseException) -> None:
+        """run_chunk failed `attempts` times and is not retried again: each of the chunk's requests gets a
+        `chunk_failed` error record and the batch goes on to finalize now, not at its expiry. The client gets the
+        error's class only; the worker's log has the whole of it."""
+        log.error("batch %s chunk %d: failed %d times, failing its requests", batch_id, index, attempts, exc_info=error)
+        with self.sessions() as session:
+            chunk = session.get(Chunk, (batch_id, index))
+            batch = session.get(Batch, batch_id)
+            if chunk is None or batch is None or chunk.status != ChunkStatus.pending:
+                return
+            session.expunge_all()
+        written = ledger.written_chunk_counts(self.store, batch_id, index)
+        if written is not None:  # an earlier attempt wrote every result; only its bookkeeping failed
+            ledger.finish_chunk(self.sessions, batch_id, index, ChunkStatus.done, *written)
+        else:
+            message = (
+                f"the request's chunk of the batch failed {attempts} times, the last with {type(error).__name__}, "
+                "so the request was not answered; the same request in a new batch may succeed"
+            )
+            input_lines = self.kinds[batch.endpoint].input_lines(batch)
+            records = [input_lines.unrun_record(line, "chunk_failed", message) for _, line in self._chunk_lines(batch, chunk)]
+            ledger.fail_chunk(self.store, self.sessions, batch_id, index, records)
+        if ledger.finish_if_last(self.sessions, batch_id):
+            self.enqueue_finalize(batch_id)
+
     def _chunk_lines(self, batch: Batch, chunk: Chunk) -> Iterator[tuple[LineNumber, bytes]]:
         """The chunk's lines that validate accepted, with their numbers."""
         data = self.store.read_range(file_key(batch.project_id, batch.input_file_id), chunk.byte_start, chunk.byte_end)
@@ -212,9 +237,9 @@ class Pipeline:
             batch = session.get(Batch, batch_id)
             if batch is None or has_pending_chunks(session, batch_id):
                 return  # chunks still running abort within a second; the last one to finish calls finalize again
-            done = session.scalars(
-                select(Chunk.index)
-                .where(Chunk.batch_id == batch_id, Chunk.status == ChunkStatus.done)
+            finished = session.execute(
+                select(Chunk.index, Chunk.status)
+                .where(Chunk.batch_id == batch_id, Chunk.status.in_((ChunkStatus.done, ChunkStatus.failed)))
                 .order_by(Chunk.index)
             ).all()
             never_started = (
@@ -232,7 +257,8 @@ class Pipeline:
             self.store,
             self.kinds[batch.endpoint],
             batch,
-            list(done),
+            [index for index, status in finished if status == ChunkStatus.done],
+            [index for index, status in finished if status == ChunkStatus.failed],
             list(never_started),
             stop_reason,
             self._chunk_lines,

@@ -38,6 +38,8 @@ class InputLines(Protocol):
 
     def expired_record(self, line: bytes) -> bytes: ...  # the error record of an accepted line that never ran
 
+    def unrun_record(self, line: bytes, code: str, message: str) -> bytes: ...  # an accepted line that cannot run
+
     def too_long(self, line_number: LineNumber, limit: int) -> RejectedLine: ...  # a line over `limit` bytes, never read whole
 
 

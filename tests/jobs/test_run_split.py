@@ -46,6 +46,9 @@ class EveryOtherLine:
     def expired_record(self, line: bytes) -> bytes:
         return b"expired\n"
 
+    def unrun_record(self, line: bytes, code: str, message: str) -> bytes:
+        return f"{code}\n".encode()
+
     def too_long(self, line_number: int, limit: int) -> RejectedLine:
         return RejectedLine(f"line {line_number}: over {limit}", f"{line_number} too long\n".encode(), not_json=False)
 
