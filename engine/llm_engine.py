@@ -36,7 +36,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner
-from engine.structured_output import GrammarCompilerPool, fill_token_bitmask
+from engine.structured_output import GrammarCompilerPool
 from engine.tokenizer import Tokenizer
 
 
@@ -426,10 +426,14 @@ class LLMEngine:
             for k in range(count)
         ]
         token_bitmask = None
-        if self._grammars is not None:
+        if self._grammars is not None and rows:
             matchers = [self._sample_of[seq.seq_id].matcher for seq, count in zip(sampling, fanout) for _ in range(count)]
-            token_bitmask = fill_token_bitmask(matchers, self.model_config.vocab_size)
-        step = self.runner.execute(out, rows, fanout, token_bitmask)
+            token_bitmask = self._grammars.fill_bitmask(matchers)  # while the model runs; the sampler waits for it
+        try:
+            step = self.runner.execute(out, rows, fanout, token_bitmask)
+        finally:
+            if token_bitmask is not None:
+                wait([token_bitmask])  # a failed step too: the matchers change after this, the fill reads them
         self.counters.generation_tokens += len(rows)
         for seq_id, scored in step.prompt_logprobs.items():
             self._record_prompt_logprobs(self._requests[self._seqs[seq_id].request_id], scored)

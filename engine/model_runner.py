@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -47,7 +48,7 @@ class ModelRunner:
         self.host_kv_caches = host_kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_kernels=model.kernels == "cpu")
         use_triton = kernel_backend == "triton"
         self._copy_blocks = copy_blocks if use_triton else copy_blocks_reference
         self._swap_blocks = swap_blocks if use_triton else swap_blocks_reference
@@ -71,12 +72,13 @@ class ModelRunner:
         output: SchedulerOutput,
         rows: Sequence[SamplingRow],
         fanout: Sequence[int] | None = None,
-        token_bitmask: torch.Tensor | None = None,
+        token_bitmask: Future[torch.Tensor | None] | None = None,
     ) -> StepResult:
         """Run one step. `rows` are the sampling inputs of the scheduled sequences that need a
         token, in schedule order; `fanout[i]` says how many consecutive rows sample from the i-th
         such sequence's logits (a prompt forking into n samples), 1 each when None; `token_bitmask`
-        the grammar's allowed tokens per row (structured output), None when no row has one. Nothing is
+        the grammar's allowed tokens per row (structured output), still being filled while the model runs (the
+        sampler waits for it); None when no row has one. Nothing is
         sampled when no sequence needs a token (pure prefill chunks, or a step that only swaps out), nor on
         tensor-parallel ranks other than the first, which pass no rows."""
         self._move_blocks(output)
@@ -96,7 +98,8 @@ class ModelRunner:
         if fanout is not None and any(count != 1 for count in fanout):
             repeats = to_device(fanout, torch.int64, logits.device)
             logits = logits.repeat_interleave(repeats, dim=0, output_size=sum(fanout))  # no sync for the size
-        return StepResult(self.sampler(logits, rows, token_bitmask), prompt_logprobs)
+        bitmask = token_bitmask.result() if token_bitmask is not None else None
+        return StepResult(self.sampler(logits, rows, bitmask), prompt_logprobs)
 
     @torch.inference_mode()
     def run_dummy_step(self, query_lens: Sequence[int], blocks_per_seq: int, sample_rows: Sequence[SamplingRow] = ()) -> None:

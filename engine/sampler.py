@@ -53,13 +53,16 @@ class SamplerOutput:
 class Sampler:
     """Picks one next token per row. Holds no state: every random draw is keyed by (seed, step)."""
 
+    def __init__(self, cpu_kernels: bool = False) -> None:
+        self.cpu_kernels = cpu_kernels  # the grammar bitmask by kernels/cpu_kernels.cpp (the model runs them too)
+
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None
     ) -> SamplerOutput:
         """`token_bitmask`: [rows, ceil(vocab / 32)] int32, bit set = token allowed (structured output);
         None when no row is constrained."""
         raw = logits.float()
-        processed = process_logits(raw, rows, token_bitmask)
+        processed = process_logits(raw, rows, token_bitmask, self.cpu_kernels)
         token_ids = _pick_tokens(processed, rows)
         output = _with_logprobs(raw, token_ids, rows)
         beam_rows = [i for i, row in enumerate(rows) if row.params.use_beam_search]
@@ -69,7 +72,10 @@ class Sampler:
 
 
 def process_logits(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    token_bitmask: torch.Tensor | None = None,
+    cpu_kernels: bool = False,
 ) -> torch.Tensor:
     """Apply the grammar bitmask, logit_bias, penalties, then min_tokens masking. Returns float32 logits.
 
@@ -88,7 +94,7 @@ def process_logits(
 
     logits = logits.to(torch.float32, copy=True)
     if token_bitmask is not None:
-        apply_token_bitmask(logits, token_bitmask)
+        apply_token_bitmask(logits, token_bitmask, cpu_kernels)
     if bias_rows:
         _apply_logit_bias(logits, rows, bias_rows)
     if repetition_rows:

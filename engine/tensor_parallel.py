@@ -23,6 +23,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 import torch
@@ -161,7 +162,7 @@ class TensorParallelRunner:
         output: SchedulerOutput,
         rows: Sequence[SamplingRow],
         fanout: Sequence[int] | None = None,
-        token_bitmask: torch.Tensor | None = None,
+        token_bitmask: Future[torch.Tensor | None] | None = None,
     ) -> StepResult:
         self.ranks.check()
         self.ranks.send(output)

@@ -205,6 +205,40 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
   return out;
 }
 
+// Structured output: the logits of each row's disallowed tokens become -inf, in place; bit j of word w of a row's
+// mask allows token 32 * w + j. A constrained row is mostly whole words of zeros (a JSON key allows a handful of
+// ~50k tokens), filled without looking at their bits. -inf is stored as its bit pattern: -ffast-math lets the
+// compiler assume no float is infinite.
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "apply_token_bitmask needs float32 logits [rows, vocab] with contiguous rows");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous() &&
+                  bitmask.size(0) == logits.size(0) && bitmask.size(1) * 32 >= logits.size(1),
+              "apply_token_bitmask needs a contiguous int32 bitmask [rows, ceil(vocab / 32)]");
+  constexpr uint32_t kNegativeInfinity = 0xff800000u;
+  const int64_t rows = logits.size(0), vocab = logits.size(1), words = bitmask.size(1), stride = logits.stride(0);
+  uint32_t* base = reinterpret_cast<uint32_t*>(logits.data_ptr<float>());
+  const uint32_t* masks = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint32_t* row = base + r * stride;
+      const uint32_t* mask = masks + r * words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t bits = mask[w];
+        if (bits == 0xffffffffu) continue;
+        uint32_t* out = row + w * 32;
+        const int64_t n = std::min<int64_t>(32, vocab - w * 32);
+        if (bits == 0) {
+          for (int64_t j = 0; j < n; ++j) out[j] = kNegativeInfinity;
+        } else {
+          for (int64_t j = 0; j < n; ++j)
+            if (!((bits >> j) & 1u)) out[j] = kNegativeInfinity;
+        }
+      }
+    }
+  });
+}
+
 #ifdef CONVEYOR_AMX
 // Encoder (bidirectional) attention over packed sequences with AMX, for bfloat16 and head_dim 32. Per sequence:
 // one pass down its rows packs every head's Q, K and V into AMX's tile layouts; then per head, 32 query rows at a
@@ -482,6 +516,7 @@ torch::Tensor layer_norm(torch::Tensor x, torch::Tensor weight, torch::Tensor bi
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional in-place residual add (CPU)");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "disallowed tokens' float32 logits to -inf, in place (CPU)");
   m.def("encoder_attention", &encoder_attention, "packed bidirectional attention, bf16, head_dim 32 (CPU, AMX)");
   m.def("layer_norm", &layer_norm, "LayerNorm, bf16, at most 1024 wide (CPU, AVX-512 BF16)");
   m.def("encoder_kernels_available", &encoder_kernels_available, "whether encoder_attention and layer_norm run here");

@@ -100,6 +100,12 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     return _kernels().rms_norm(x, residual, weight, eps)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Logits [rows, vocab] float32: where bit j of word w of a row's bitmask [rows, ceil(vocab / 32)] int32 is
+    clear, token 32 * w + j's logit becomes -inf, in place."""
+    _kernels().apply_token_bitmask(logits, bitmask)
+
+
 def encoder_kernels_available() -> bool:
     """Whether `encoder_attention` and `layer_norm` run here: the kernels built with AMX on a CPU that has it."""
     kernels = load_cpu_kernels()

@@ -320,6 +320,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, kernels: LayerKernels = "torch") -> None:
         super().__init__()
         self.config = config
+        self.kernels = kernels
         self.model = LlamaModel(config, backend, kernels, self.layer_class)
         if not config.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)

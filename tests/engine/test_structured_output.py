@@ -16,6 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.sampler import SamplingRow, process_logits
 from engine.structured_output import StructuredOutputParams
+from kernels.cpu_kernels import load_cpu_kernels
 from tests.engine.test_hf_equivalence import check_setup_exercised
 
 ADDRESS = {
@@ -145,28 +146,32 @@ def _row(**options) -> SamplingRow:
     return SamplingRow(SamplingParams(**options), seed=0, prompt_token_ids=[1], output_token_ids=[], eos_token_ids=[0])
 
 
-def test_bitmask_and_logit_bias_match_a_reference():
+@pytest.mark.parametrize(
+    "cpu_kernels",
+    [False, pytest.param(True, marks=pytest.mark.skipif(load_cpu_kernels() is None, reason="no C++ compiler"))],
+    ids=["xgrammar", "cpu_kernels"],
+)
+@pytest.mark.parametrize("vocab", [100, 49152])
+def test_bitmask_and_logit_bias_match_a_reference(cpu_kernels: bool, vocab: int):
     torch.manual_seed(0)
-    vocab = 100
     logits = torch.randn(3, vocab)
     rows = [_row(logit_bias={3: 100.0, 50: -100.0, 99: 2.5}), _row(), _row(logit_bias={0: -1.0})]
     allowed = torch.rand(3, vocab) < 0.3
     allowed[1] = True  # an unconstrained row: every bit set
+    allowed[2, 32:96] = False  # whole disallowed words
     words = -(-vocab // 32)
     bits = torch.zeros(3, words * 32, dtype=torch.int64)
     bits[:, :vocab] = allowed.long()
     packed = (bits.view(3, words, 32) << torch.arange(32)).sum(-1)
     bitmask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
-    got = process_logits(logits, rows, bitmask)
+    got = process_logits(logits, rows, bitmask, cpu_kernels)
 
-    expected = logits.clone()
+    expected = logits.masked_fill(~allowed, -math.inf)
     for r, row in enumerate(rows):
-        for token in range(vocab):
-            if not allowed[r, token]:
-                expected[r, token] = -math.inf
-            elif token in row.params.logit_bias:
-                expected[r, token] += row.params.logit_bias[token]
+        for token, bias in row.params.logit_bias.items():
+            if allowed[r, token]:
+                expected[r, token] += bias
     assert torch.equal(got, expected)
     assert not torch.equal(logits, got)  # the input is left alone
 
