@@ -9,7 +9,9 @@ encoder attention of the embedding models attends packed sequences of any length
 matmuls, unpadded and unmasked: over the 17 batches of `bench.embeddings`' 1,000 chunks (16-256
 tokens, one thread) 215 ms against 458 ms for torch's flash attention on groups padded to multiples
 of 16; its oracle is exact attention per sequence, which it meets as closely as torch's flash kernel.
-Their bf16 LayerNorm reads each row once (torch's: 1.7x the time); its oracle is torch's.
+Their bf16 LayerNorm reads each row once (torch's: 1.7x the time); its oracle is torch's. The structured-output
+bitmask kernel sets the logits of disallowed tokens to -inf a 32-token word at a time (256 rows of a 49k vocabulary:
+1.4 ms against 38 ms for xgrammar's CPU kernel); its oracle is a masked_fill of the unpacked bits.
 
 The extension compiles with torch's cpp_extension (ninja + the system C++ compiler) into
 `$TORCH_EXTENSIONS_DIR`, once per source version, checkout and CPU. Where it cannot be built,
