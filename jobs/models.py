@@ -138,6 +138,8 @@ class Batch(Base):
     cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Its validate task could not be queued (Redis down when it was created): the recovery sweep sends it.
     validate_unsent: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
+    # When the recovery sweep last sent a stalled batch's finalize again (`jobs.recovery`), which paces the re-sends.
+    finalize_resent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class ChunkStatus(str, enum.Enum):

@@ -6,7 +6,10 @@ not terminal when its completion window ends. This one covers the tasks that nev
 - a batch created while Redis was down has no validate task (`Batch.validate_unsent`): sent now;
 - a `cancelling` or `finalizing` batch that has not moved for `STALLED_SECONDS` lost its finalize task (a crash
   between a commit and its enqueue, a task that gave up): sent again. Finalize is idempotent and ends a cancel
-  whose validate never ran as well as one whose chunks are gone, so an extra one costs little;
+  whose validate never ran as well as one whose chunks are gone, so an extra one costs little. The re-sends are
+  paced (`Batch.finalize_resent_at`): each waits at least half the time the batch has been stalled, so one whose
+  finalize keeps failing gets a handful of them (at 1, 2, 4, 8, ... minutes), not one per sweep, each with its own
+  chain of Celery retries;
 - idempotency keys past their lifetime are deleted.
 
 A task that cannot be sent now (Redis still down) is tried again by the next sweep.
@@ -48,7 +51,16 @@ def resend_lost_work(
         unsent = session.scalars(
             select(Batch.id).where(Batch.validate_unsent, Batch.status == BatchStatus.validating)
         ).all()
-        stalled = session.scalars(select(Batch.id).where(_settling_since(now - timedelta(seconds=STALLED_SECONDS)))).all()
+        stalled = [
+            batch
+            for batch in session.scalars(
+                select(Batch).where(_settling_since(now - timedelta(seconds=STALLED_SECONDS))).with_for_update(skip_locked=True)
+            )
+            if _resend_due(batch, now)
+        ]
+        for batch in stalled:
+            batch.finalize_resent_at = now
+        stalled_ids = [batch.id for batch in stalled]
         forgotten = idempotency.forget_expired(session, now)
     if forgotten:
         log.info("forgot %d expired idempotency keys", forgotten)
@@ -57,9 +69,20 @@ def resend_lost_work(
         enqueue_validate(batch_id)
         with sessions.begin() as session:
             session.execute(update(Batch).where(Batch.id == batch_id).values(validate_unsent=False))
-    for batch_id in stalled:
+    for batch_id in stalled_ids:
         log.info("batch %s: sending finalize again, the batch has not moved for %d s", batch_id, STALLED_SECONDS)
         enqueue_finalize(batch_id)
+
+
+def _resend_due(batch: Batch, now: datetime) -> bool:
+    """Whether a stalled batch's finalize is sent again now: never sent again yet, or the last re-send is at least
+    half the batch's stalled time ago (and at least `STALLED_SECONDS`)."""
+    if batch.finalize_resent_at is None:
+        return True
+    settling_since = batch.cancelling_at if batch.status == BatchStatus.cancelling else batch.finalizing_at
+    assert settling_since is not None  # `_settling_since` selected it by this time
+    wait = max(timedelta(seconds=STALLED_SECONDS), (now - settling_since) / 2)
+    return now - batch.finalize_resent_at >= wait
 
 
 def fail_stalled_finalizes(

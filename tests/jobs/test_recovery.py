@@ -15,7 +15,7 @@ from jobs.celery_app import TaskName, create_celery_app
 from conveyor.local_stack import scratch_database
 from jobs.db import SessionFactory, make_engine, make_session_factory, upgrade
 from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, Project, WebhookEndpoint, WebhookEvent, utcnow
-from jobs.recovery import fail_stalled_finalizes
+from jobs.recovery import fail_stalled_finalizes, resend_lost_work
 from jobs.run.pipeline import Pipeline
 from jobs.settings import S3Settings, Settings
 from jobs.storage import ObjectStore
@@ -135,3 +135,16 @@ def test_a_validate_whose_retries_are_spent_fails_its_batch(
     assert "9 attempts failed, the last with ConnectionError" in error["message"]
     assert "unreachable" not in error["message"]  # internal details stay in the worker's log
     assert len(deliveries) == 1
+
+
+def test_a_stalled_finalize_is_sent_again_at_a_doubling_pace(sessions: SessionFactory) -> None:
+    """Once a minute stalled, then each re-send waits half the batch's stalled time: a finalize that keeps failing
+    gets a handful of re-sends within the timeout, not one per sweep (each starting its own chain of retries)."""
+    since = utcnow()
+    batch_id = new_batch(sessions, BatchStatus.finalizing, since)
+    sent: list[float] = []
+    for second in range(0, 3600, 10):  # beat's sweep every 10 s for an hour
+        resent: list[str] = []
+        resend_lost_work(sessions, lambda *_: None, resent.append, since + timedelta(seconds=second))
+        sent += [second] * resent.count(batch_id)
+    assert sent == [60, 120, 240, 480, 960, 1920]
