@@ -7,16 +7,17 @@ xgrammar structural tag that makes a model write calls that way; and the calls r
   after `<|python_tag|>`; one call a turn, as the templates refuse more.
 - Mistral 7B v0.3, Nemo and templates of their format (`[TOOL_CALLS]` and `[AVAILABLE_TOOLS]`): one JSON array of
   `{"name": f, "arguments": {…}}` objects, `, ` between, after `[TOOL_CALLS]` (v0.3: `[TOOL_CALLS] [`).
+- Mistral's newer format (Mistral Small 3.2, Magistral, Devstral: templates holding `[ARGS]`): each call is
+  `[TOOL_CALLS]f[ARGS]{…}`, the calls back to back (`MistralArgsSyntax`); the template writes `[CALL_ID]id` before
+  `[ARGS]` in the conversation's past calls, which the parser also takes.
 
-Not read natively: Mistral's newer `[TOOL_CALLS]f[ARGS]{…}` (Mistral Small 3.2, Magistral, Devstral: their templates
-hold `[ARGS]`). Its markers are special tokens, which the output text leaves out like every special token, leaving
-`f{…}`, so such templates get the generic format. Llama 3.1's built-in tools (`<|python_tag|>brave_search.call(…)`)
-are not OpenAI function tools and are not read either.
+Not read: Llama 3.1's built-in tools (`<|python_tag|>brave_search.call(…)`), which are not OpenAI function tools.
 
-The special-token markers of the two others (`<|python_tag|>`, `[TOOL_CALLS]`) are left out of the text the same way,
-so the parser takes them as optional: a call is known by its JSON (a name among the line's functions, an object of
-arguments under the family's key), with or without the marker, which a grammar may also have spelled out in plain
-characters where the vocabulary lacks the special token.
+The markers (`<|python_tag|>`, `[TOOL_CALLS]`, `[ARGS]`, `[CALL_ID]`) are special tokens, which the output text leaves
+out like every special token, so the parser takes them as optional: a call is known by its JSON (a name among the
+line's functions, an object of arguments under the family's key; for `[ARGS]`, a name among the line's functions right
+before an object), with or without the marker, which a grammar spells out in plain characters (xgrammar's grammars do
+not produce special tokens).
 """
 
 from __future__ import annotations
@@ -167,6 +168,45 @@ MISTRAL = CallSyntax(
 MISTRAL_V3 = replace(MISTRAL, array_begin="[TOOL_CALLS] [")  # Mistral 7B v0.3's templates: a space before the array
 
 
+@dataclass(frozen=True)
+class MistralArgsSyntax(CallSyntax):
+    """Mistral's `[TOOL_CALLS]f[ARGS]{…}`: the name outside the JSON, which holds the arguments alone."""
+
+    def call_tag(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "type": "tag",
+            "begin": f"{self.call_prefix}{name}[ARGS]",
+            "content": {"type": "json_schema", "json_schema": parameters, "max_whitespace_cnt": 1},
+            "end": "",
+        }
+
+    def calls_text(self, calls: Sequence[tuple[str, Any]]) -> str:
+        return "".join(f"{self.call_prefix}{name}[ARGS]{json.dumps(arguments)}" for name, arguments in calls)
+
+    def _read(self, text: str, start: int, names: Collection[str]) -> tuple[list[tuple[str, dict[str, Any]]], int] | None:
+        named = _NAMED_ARGS.match(text, start)
+        if named is None or named.group(1) not in names:
+            return None
+        try:
+            arguments, end = _JSON.raw_decode(text, named.end())
+        except json.JSONDecodeError:
+            return None
+        return ([(named.group(1), arguments)], end) if isinstance(arguments, dict) else None
+
+
+# A function name (OpenAI's alphabet), the past call's id the template writes, the marker; the arguments follow.
+_NAMED_ARGS = re.compile(r"([A-Za-z0-9_-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?")
+
+MISTRAL_ARGS = MistralArgsSyntax(
+    arguments_key="",  # none: the JSON is the arguments
+    trigger="[TOOL_CALLS]",
+    # A call starts at a word (the function's name) followed by its JSON, after the marker or not.
+    opening=re.compile(r"(?:\[TOOL_CALLS\])?(?<![A-Za-z0-9_-])(?=[A-Za-z0-9_-]+(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?\{)"),
+    call_prefix="[TOOL_CALLS]",
+    short_call_ids=True,
+)
+
+
 def detect_call_syntax(chat_template: str | None) -> CallSyntax | None:
     """The call syntax the model's chat template writes tools and calls in; None when it has none of the families
     read here (the generic format then)."""
@@ -176,7 +216,7 @@ def detect_call_syntax(chat_template: str | None) -> CallSyntax | None:
         return HERMES
     if "[TOOL_CALLS]" in chat_template and "[AVAILABLE_TOOLS]" in chat_template:
         if "[ARGS]" in chat_template:
-            return None
+            return MISTRAL_ARGS
         return MISTRAL_V3 if "[TOOL_CALLS] [" in chat_template else MISTRAL
     if "<|start_header_id|>" in chat_template and '"parameters": ' in chat_template:
         return LLAMA3_JSON

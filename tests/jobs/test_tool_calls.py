@@ -1,6 +1,6 @@
 """Tool calls end to end: the prompt as transformers renders it (tools and tool results included), and
 required / named / auto answers from the engine, on a tiny random Qwen-style checkpoint with Qwen 2.5's
-Hermes tool template, with the published Llama 3.2/3.3 and Mistral 7B v0.3/Nemo templates (chat_templates/), and on
+Hermes tool template, with the published Llama 3.2/3.3 and Mistral 7B v0.3/Nemo/Small 3.2 templates (chat_templates/), and on
 SmolLM2 (no tool format: the generic one)."""
 
 from __future__ import annotations
@@ -137,6 +137,7 @@ NATIVE = {  # published template → its (bos, eos) tokens and a conversation wi
     "llama-3.3-70b-instruct": ("<|begin_of_text|>", "<|eot_id|>", LLAMA_WITH_RESULTS),
     "mistral-7b-instruct-v0.3": ("<s>", "</s>", MISTRAL_WITH_RESULTS),
     "mistral-nemo-instruct-2407": ("<s>", "</s>", MISTRAL_WITH_RESULTS),
+    "mistral-small-3.2-24b-instruct-2506": ("<s>", "</s>", MISTRAL_WITH_RESULTS),
 }
 
 
@@ -243,9 +244,18 @@ def test_llama_and_mistral_prompts_equal_transformers(qwen_folder, tmp_path, nam
     tools_at = expected.index('"get_weather"')
     assert ("Environment: ipython" in expected) if name.startswith("llama") else ("[AVAILABLE_TOOLS]" in expected[:tools_at])
     if with_results:  # the earlier call and its result, in the template's own syntax
-        assert ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}<|eot_id|>' in expected
-                if name.startswith("llama") else '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}, '
-                '"id": "a1B2c3D4e"}' in expected)
+        assert CALL_IN_HISTORY[name] in expected
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}<|eot_id|>'
+MISTRAL_CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}, "id": "a1B2c3D4e"}'
+CALL_IN_HISTORY = {  # how each template writes the earlier call of MISTRAL/LLAMA_WITH_RESULTS
+    "llama-3.2-3b-instruct": LLAMA_CALL,
+    "llama-3.3-70b-instruct": LLAMA_CALL,
+    "mistral-7b-instruct-v0.3": MISTRAL_CALL,
+    "mistral-nemo-instruct-2407": MISTRAL_CALL,
+    "mistral-small-3.2-24b-instruct-2506": '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "unit": "C"}',
+}
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +276,7 @@ def test_qwen_required_named_and_auto(qwen_llm):
         assert auto["finish_reason"] in ("stop", "length") and isinstance(auto["message"]["content"], str)
 
 
-@pytest.mark.parametrize("name", ["llama-3.3-70b-instruct", "mistral-nemo-instruct-2407"])
+@pytest.mark.parametrize("name", ["llama-3.3-70b-instruct", "mistral-nemo-instruct-2407", "mistral-small-3.2-24b-instruct-2506"])
 def test_llama_and_mistral_forced_calls_come_back_as_tool_calls(qwen_llm, name):
     """The random Qwen model prompted through a published Llama or Mistral template: a forced call is written in that
     template's syntax (Mistral's marker is a special token, gone from the text) and read back as a tool call."""

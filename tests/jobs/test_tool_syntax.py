@@ -10,7 +10,7 @@ import pytest
 
 from engine.structured_output import compile_grammar
 from jobs.openai_format.tool_calls import NamedToolChoice, Tool, plan_tool_calls, template_messages
-from jobs.openai_format.tool_syntax import HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V3, detect_call_syntax
+from jobs.openai_format.tool_syntax import HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_V3, detect_call_syntax
 from tests.jobs.test_structured_lines import WEATHER_TOOL
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -30,7 +30,9 @@ TOOLS = [Tool.model_validate(WEATHER_TOOL), Tool.model_validate(TIME_TOOL)]
 NAMES = ("get_weather", "get_time")
 PARIS = ("get_weather", {"city": "Paris", "unit": "C"})
 CET = ("get_time", {"zone": "CET"})
-SYNTAXES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "mistral_v3": MISTRAL_V3}
+SYNTAXES = {
+    "hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "mistral_v3": MISTRAL_V3, "mistral_args": MISTRAL_ARGS,
+}
 
 
 @pytest.mark.parametrize(
@@ -40,8 +42,7 @@ SYNTAXES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "m
         ("llama-3.3-70b-instruct.jinja", LLAMA3_JSON),
         ("mistral-nemo-instruct-2407.jinja", MISTRAL),
         ("mistral-7b-instruct-v0.3.jinja", MISTRAL_V3),
-        # [TOOL_CALLS]f[ARGS]{…}: markers that are special tokens, gone from the output text, so the generic format
-        ("mistral-small-3.2-24b-instruct-2506.jinja", None),
+        ("mistral-small-3.2-24b-instruct-2506.jinja", MISTRAL_ARGS),
     ],
 )
 def test_each_published_template_is_read_as_its_family(template, syntax):
@@ -68,6 +69,14 @@ def test_templates_without_a_family_get_the_generic_format():
         ("mistral", '[{"name": "get_time", "arguments": {"zone": "CET"}}]', None, [CET]),
         ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}}]', None, [CET]),
         ("mistral_v3", ' [{"name": "get_time", "arguments": {"zone": "CET"}, "id": "a1B2c3D4e"}]', None, [CET]),
+        # Mistral's [ARGS] format: markers spelled out, left out (special tokens), and a past call's [CALL_ID]
+        ("mistral_args", '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}', None, [CET]),
+        ("mistral_args", 'get_weather{"city": "Paris", "unit": "C"}get_time{"zone": "CET"}', None, [PARIS, CET]),
+        ("mistral_args", '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{"zone": "CET"}', None, [CET]),
+        ("mistral_args", 'Checking. [TOOL_CALLS]get_time[ARGS]{"zone": "CET"}', "Checking.", [CET]),
+        ("mistral_args", 'forget_time{"zone": "CET"}', 'forget_time{"zone": "CET"}', []),  # not a name on its own
+        ("mistral_args", '[TOOL_CALLS]get_time[ARGS]"CET"', '[TOOL_CALLS]get_time[ARGS]"CET"', []),
+        ("mistral_args", '[TOOL_CALLS]get_date[ARGS]{}', '[TOOL_CALLS]get_date[ARGS]{}', []),
         # the grammar lets raw control characters into JSON strings (a random model wrote this one)
         ("mistral", '[{"name": "get_time", "arguments": {"zone":"\x1e"\n}}]', None, [("get_time", {"zone": "\x1e"})]),
         # text around a call is the content
