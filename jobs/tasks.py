@@ -6,8 +6,10 @@ pipeline, and nothing imports this module to send a task (`jobs.enqueue` sends t
 
 from __future__ import annotations
 
+import functools
+
 from celery import Celery, Task
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 
 from engine.admission import EngineFailed
 from jobs import enqueue, files
@@ -23,6 +25,9 @@ from jobs.webhooks.delivery import DeliveryPolicy, attempt_delivery, send_due_de
 
 def register_tasks(app: Celery, pipeline: Pipeline) -> None:
     settings = pipeline.settings
+    # Not shared: Celery adds a shared task to every app created afterwards, where the first pipeline's would then
+    # answer for another app's (a second app in one process: the tests' eager apps, each over its own database).
+    task = functools.partial(app.task, shared=False)
 
     def give_up_validate(
         task: Task, error: BaseException, task_id: str, args: tuple[str], kwargs: dict[str, object], einfo: object
@@ -31,7 +36,7 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
         # backoff): nothing would validate the batch again, so it fails now instead of at its expiry.
         pipeline.give_up_validate(args[0], task.request.retries + 1, error)
 
-    @app.task(
+    @task(
         name=TaskName.validate,
         autoretry_for=(Exception,),
         retry_backoff=True,
@@ -48,17 +53,20 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
         # the batch waiting in `in_progress` for its expiry.
         pipeline.give_up_chunk(args[0], args[1], task.request.retries + 1, error)
 
-    @app.task(
+    @task(
         name=TaskName.run_chunk, bind=True, autoretry_for=(Exception,), dont_autoretry_for=(Reject,),
         retry_backoff=True, max_retries=8, on_failure=give_up_chunk,
     )
     def run_chunk(self: Task, batch_id: str, index: int) -> None:
         try:
             pipeline.run_chunk(batch_id, index)
-        except ChunkBusy as busy:
-            # Not an error: the chunk is running elsewhere. Come back when its lease would have lapsed, then skip
-            # or take over.
-            raise self.retry(exc=busy, countdown=settings.chunk_lease_seconds / 2, max_retries=None) from None
+        except ChunkBusy:
+            # Not an error: the chunk is running elsewhere. Come back when its lease would have lapsed, then skip or
+            # take over; sent again as the same attempt, since waiting spends none of the chunk's retries (Celery's
+            # retry() would count it and stop after max_retries, and the chunk would then give up while another
+            # thread runs it).
+            self.signature_from_request(countdown=settings.chunk_lease_seconds / 2, retries=self.request.retries).apply_async()
+            raise Ignore() from None
         except EngineFailed as failed:
             # Not the chunk's fault either: this worker's engine can never step again, and the worker is stopping
             # (jobs.worker). The chunk wrote nothing and released its lease; its message goes back to the queue now,
@@ -66,21 +74,21 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
             raise Reject(failed, requeue=True) from failed
 
     # Its retries spent, a finalize is sent again by the recovery sweep until `finalize_timeout_seconds` fail it.
-    @app.task(name=TaskName.finalize, autoretry_for=(Exception,), retry_backoff=True, max_retries=8)
+    @task(name=TaskName.finalize, autoretry_for=(Exception,), retry_backoff=True, max_retries=8)
     def finalize(batch_id: str) -> None:
         pipeline.finalize(batch_id)
 
-    @app.task(name=TaskName.expire_batches)
+    @task(name=TaskName.expire_batches)
     def expire_batches() -> None:
         # No retries: beat sends the next sweep in a few seconds anyway.
         expire_due_batches(pipeline.sessions, pipeline.stop_flags, enqueue.finalize)
 
-    @app.task(name=TaskName.delete_expired_files)
+    @task(name=TaskName.delete_expired_files)
     def delete_expired_files() -> None:
         # No retries: beat sends the next sweep in a few seconds anyway.
         files.delete_expired_files(pipeline.sessions, pipeline.store)
 
-    @app.task(name=TaskName.recover_lost_work)
+    @task(name=TaskName.recover_lost_work)
     def recover_lost_work() -> None:
         # No retries: beat sends the next sweep in a few seconds anyway.
         resend_lost_work(pipeline.sessions, enqueue.validate, enqueue.finalize)
@@ -88,7 +96,7 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
             fail_stalled_finalizes(pipeline.sessions, pipeline.store, settings.finalize_timeout_seconds)
         )
 
-    @app.task(name=TaskName.fire_due_schedules)
+    @task(name=TaskName.fire_due_schedules)
     def fire_schedules() -> None:
         # No retry: beat sends the next sweep within seconds, and a schedule that failed stays due for it.
         fire_due_schedules(
@@ -101,10 +109,10 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
 
     # No retries for the webhook tasks: a failed attempt is recorded with its next time in the database, and an
     # attempt that never happened (a crash, Redis down) is still due there, where beat's sweep finds it.
-    @app.task(name=TaskName.deliver_webhook)
+    @task(name=TaskName.deliver_webhook)
     def deliver_webhook(delivery_id: str) -> None:
         attempt_delivery(pipeline.sessions, DeliveryPolicy.from_settings(settings), due_by=utcnow(), delivery_id=delivery_id)
 
-    @app.task(name=TaskName.send_due_webhooks)
+    @task(name=TaskName.send_due_webhooks)
     def send_due_webhooks() -> None:
         send_due_deliveries(pipeline.sessions, DeliveryPolicy.from_settings(settings))

@@ -28,7 +28,7 @@ from jobs.object_keys import file_key, validation_errors_key
 from jobs.run import ledger
 from jobs.run.finalize import compose_final_files, stop_reason_of
 from jobs.run.kinds import JobKind
-from jobs.run.lease import ChunkLeases
+from jobs.run.lease import ChunkBusy, ChunkLeases
 from jobs.run.ledger import RecordedChunks
 from jobs.run.split import ChunkDraft, LineNumber, ValidationTally, accepted_lines, split_into_chunks
 from jobs.openai_format.requests import MODEL_KINDS
@@ -197,19 +197,29 @@ class Pipeline:
             if chunk is None or batch is None or chunk.status != ChunkStatus.pending:
                 return
             session.expunge_all()
-        written = ledger.written_chunk_counts(self.store, batch_id, index)
-        if written is not None:  # an earlier attempt wrote every result; only its bookkeeping failed
-            ledger.finish_chunk(self.sessions, batch_id, index, ChunkStatus.done, *written)
-        else:
-            message = (
-                f"the request's chunk of the batch failed {attempts} times, the last with {type(error).__name__}, "
-                "so the request was not answered; the same request in a new batch may succeed"
-            )
-            input_lines = self.kinds[batch.endpoint].input_lines(batch)
-            records = [input_lines.unrun_record(line, "chunk_failed", message) for _, line in self._chunk_lines(batch, chunk)]
-            ledger.fail_chunk(self.store, self.sessions, batch_id, index, records)
+        try:
+            # Under the chunk's lease, as a run would be: a re-delivery of this chunk may be running it right now,
+            # and its results are the ones to keep.
+            with self.leases.hold(batch_id, index):
+                self._fail_chunk(batch, chunk, attempts, error)
+        except ChunkBusy:
+            log.info("batch %s chunk %d: running elsewhere, which finishes it", batch_id, index)
+            return
         if ledger.finish_if_last(self.sessions, batch_id):
             self.enqueue_finalize(batch_id)
+
+    def _fail_chunk(self, batch: Batch, chunk: Chunk, attempts: int, error: BaseException) -> None:
+        written = ledger.written_chunk_counts(self.store, batch.id, chunk.index)
+        if written is not None:  # an earlier attempt wrote every result; only its bookkeeping failed
+            ledger.finish_chunk(self.sessions, batch.id, chunk.index, ChunkStatus.done, *written)
+            return
+        message = (
+            f"the request's chunk of the batch failed {attempts} times, the last with {type(error).__name__}, "
+            "so the request was not answered; the same request in a new batch may succeed"
+        )
+        input_lines = self.kinds[batch.endpoint].input_lines(batch)
+        records = [input_lines.unrun_record(line, "chunk_failed", message) for _, line in self._chunk_lines(batch, chunk)]
+        ledger.fail_chunk(self.store, self.sessions, batch.id, chunk.index, records)
 
     def _chunk_lines(self, batch: Batch, chunk: Chunk) -> Iterator[tuple[LineNumber, bytes]]:
         """The chunk's lines that validate accepted, with their numbers."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from engine.block_manager import BlockManager
@@ -97,7 +99,8 @@ def test_a_swap_round_trip_restores_the_kv_bytes_exactly():
         ]
 
     device_pool, host_pool = pool(num_blocks), pool(host_blocks)
-    runner = ModelRunner(None, device_pool, host_pool, block_size=4, device=torch.device("cpu"), kernel_backend="torch")
+    no_model = SimpleNamespace(kernels="torch")  # nothing runs a forward pass here: only blocks move
+    runner = ModelRunner(no_model, device_pool, host_pool, block_size=4, device=torch.device("cpu"), kernel_backend="torch")  # type: ignore[arg-type]
     blocks = [7, 2, 5]
     before = [(k[blocks].clone(), v[blocks].clone()) for k, v in device_pool]
     runner._move_blocks(SchedulerOutput(scheduled=(), blocks_to_swap_out=((7, 0), (2, 4), (5, 1))))

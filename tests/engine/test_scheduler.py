@@ -4,6 +4,8 @@ copy-on-write are checked for what they must preserve: each sequence reads back 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -238,7 +240,8 @@ def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
     # One int64 per slot stands in for a token's K (and V); the runner moves blocks as it would KV.
     def pool(blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(torch.full((blocks, block_size, 1, 1), -1, dtype=torch.int64),) * 2] if blocks else []
-    runner = ModelRunner(None, pool(num_blocks), pool(num_host_blocks), block_size, torch.device("cpu"), "torch")
+    no_model = SimpleNamespace(kernels="torch")  # nothing runs a forward pass here: only blocks move
+    runner = ModelRunner(no_model, pool(num_blocks), pool(num_host_blocks), block_size, torch.device("cpu"), "torch")  # type: ignore[arg-type]
     slots = runner.kv_caches[0][0].view(-1)
     capacity = num_blocks * block_size
     seqs: dict[int, Sequence] = {}

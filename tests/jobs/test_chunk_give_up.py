@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from jobs.tasks import register_tasks
 from tests.stack_fixtures import POSTGRES_ADMIN_URL
 
 CHAT = "/v1/chat/completions"
+CUSTOM_IDS = ["a", "b", "c"]
 MAX_MODEL_LEN = 2048
 
 
@@ -58,9 +60,18 @@ def request_line(custom_id: str) -> bytes:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": CHAT, "body": body}).encode()
 
 
-def test_a_chunk_whose_retries_are_spent_fails_its_requests_and_the_batch_completes(
-    sessions: SessionFactory, object_store: ObjectStore, smollm2_folder: Path
-) -> None:
+@dataclass
+class ValidatedBatch:
+    """A batch of three lines, validated into two chunks, over a pipeline whose kind always fails."""
+
+    pipeline: Pipeline
+    batch_id: str
+    run_chunks: list[int]  # the chunks validate enqueued
+    finalizes: list[str]  # the batches whose finalize was enqueued
+
+
+@pytest.fixture
+def validated(sessions: SessionFactory, object_store: ObjectStore, smollm2_folder: Path) -> Iterator[ValidatedBatch]:
     settings = Settings(database_url="postgresql+psycopg://unused", redis_prefix=f"test-give-up-{secrets.token_hex(4)}:")
     redis = Redis.from_url("redis://127.0.0.1:6379/0")
     limits = AdmissionLimits(
@@ -78,8 +89,7 @@ def test_a_chunk_whose_retries_are_spent_fails_its_requests_and_the_batch_comple
     )
     kind = AlwaysFailingKind(handle, object_store, StopFlags(redis, settings.redis_prefix), per_chunk=2)
 
-    custom_ids = ["a", "b", "c"]
-    data = b"".join(request_line(custom_id) + b"\n" for custom_id in custom_ids)
+    data = b"".join(request_line(custom_id) + b"\n" for custom_id in CUSTOM_IDS)
     with sessions.begin() as session:
         project = Project(name=f"give-up-{secrets.token_hex(4)}")
         session.add(project)
@@ -119,8 +129,17 @@ def test_a_chunk_whose_retries_are_spent_fails_its_requests_and_the_batch_comple
     )
     pipeline.validate(batch_id)
     assert run_chunks == [0, 1]  # two lines, then one
+    yield ValidatedBatch(pipeline, batch_id, run_chunks, finalizes)
+    redis.close()
 
-    app = create_celery_app(settings)
+
+def test_a_chunk_whose_retries_are_spent_fails_its_requests_and_the_batch_completes(
+    validated: ValidatedBatch, sessions: SessionFactory, object_store: ObjectStore
+) -> None:
+    pipeline, batch_id, run_chunks, finalizes = (
+        validated.pipeline, validated.batch_id, validated.run_chunks, validated.finalizes
+    )
+    app = create_celery_app(pipeline.settings)
     register_tasks(app, pipeline)
     for index in run_chunks:
         app.tasks[TaskName.run_chunk].apply(args=(batch_id, index))  # eager: 9 attempts, then the give-up
@@ -138,7 +157,7 @@ def test_a_chunk_whose_retries_are_spent_fails_its_requests_and_the_batch_comple
         error_file = session.get(File, batch.error_file_id)
         assert error_file is not None
         records = [json.loads(row) for row in object_store.read_bytes(error_file.object_key).splitlines()]
-    assert sorted(record["custom_id"] for record in records) == custom_ids  # each request once, none lost
+    assert sorted(record["custom_id"] for record in records) == CUSTOM_IDS  # each request once, none lost
     for record in records:
         assert record["error"]["code"] == "chunk_failed"
         assert "failed 9 times, the last with MemoryError" in record["error"]["message"]
@@ -147,4 +166,15 @@ def test_a_chunk_whose_retries_are_spent_fails_its_requests_and_the_batch_comple
     app.tasks[TaskName.run_chunk].apply(args=(batch_id, 0))  # a late re-delivery changes nothing
     with sessions() as session:
         assert session.get(Batch, batch_id).failed_requests == 3  # type: ignore[union-attr]
-    redis.close()
+
+
+def test_a_chunk_running_elsewhere_is_not_failed_by_a_give_up(validated: ValidatedBatch, sessions: SessionFactory) -> None:
+    """A re-delivery of the chunk holds its lease: its results are the ones to keep, so the give-up leaves it be."""
+    pipeline, batch_id = validated.pipeline, validated.batch_id
+    with pipeline.leases.hold(batch_id, 0):
+        pipeline.give_up_chunk(batch_id, 0, 9, MemoryError())
+    with sessions() as session:
+        chunk = session.get(Chunk, (batch_id, 0))
+        assert chunk is not None and chunk.status == ChunkStatus.pending
+        assert session.get(Batch, batch_id).failed_requests == 0  # type: ignore[union-attr]
+    assert validated.finalizes == []
