@@ -37,6 +37,11 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
 // under which infinities are not allowed. exp(kNoScore - score) is exactly 0.
 constexpr float kNoScore = -1e30f;
 
+// The elementwise kernels keep work under this many elements on one thread: a parallel region costs microseconds,
+// and on a loaded machine one of its threads waiting for a core stalls the whole region (a decode step runs
+// hundreds of them).
+constexpr int64_t kSerialElements = 65536;
+
 template <typename scalar_t>
 static void decode_kernel(
     const scalar_t* query, int64_t query_row_stride, int64_t query_head_stride,
@@ -184,8 +189,8 @@ static inline __m512 sum_lanes_16(const __m512* v) {
 
 // bf16 paged decode attention with AVX-512 BF16, head_dim = 32 * kChunks. q.k by dpbf16ps straight from the
 // cache's bf16 rows (exact products, float32 sums; the scale applied to the float score), 16 keys at a time, their
-// scores summed together (sum_lanes_16); online softmax in float32; p.v with the values widened to float32 and
-// each head's accumulator in registers. A task is one sequence: each block is read once, all its kv heads
+// scores summed together (sum_lanes_16); online softmax in float32; p.v with the values widened to float32 once
+// per kv head and each query head's accumulator in registers. A task is one sequence: each block is read once, all its kv heads
 // (contiguous in the cache) in one sweep, which the hardware prefetcher follows.
 template <int kChunks>
 static void decode_kernel_bf16(
@@ -205,6 +210,7 @@ static void decode_kernel_bf16(
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> acc(num_heads * kDim), running_max(num_heads), running_sum(num_heads);
     alignas(64) float probs[16];
+    alignas(64) float values[16 * kDim];
     for (int64_t seq = next_seq++; seq < num_seqs; seq = next_seq++) {
       const int64_t length = seq_lens[seq];
       const int64_t row = token_index[seq];
@@ -223,6 +229,10 @@ static void decode_kernel_bf16(
           const uint16_t* k_rows = k_cache + (block * block_size + t0) * slot_stride;
           const uint16_t* v_rows = v_cache + (block * block_size + t0) * slot_stride;
           for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+            // The chunk's values widened once for all the kv head's query heads.
+            for (int64_t t = 0; t < n; ++t)
+              for (int c = 0; c < kLanes; ++c)
+                _mm512_store_ps(&values[t * kDim + 16 * c], load_bf16(v_rows + t * slot_stride + kv * kDim + 16 * c));
             for (int64_t j = 0; j < group; ++j) {
               const int64_t h = kv * group + j;
               const uint16_t* qh = query + row * query_row_stride + h * query_head_stride;
@@ -259,9 +269,8 @@ static void decode_kernel_bf16(
               const __m512 scale_old = _mm512_set1_ps(correction);
               for (int c = 0; c < kLanes; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(ah + 16 * c), scale_old);
               for (int64_t t = 0; t < n; ++t) {
-                const uint16_t* value = v_rows + t * slot_stride + kv * kDim;
                 const __m512 pt = _mm512_set1_ps(probs[t]);
-                for (int c = 0; c < kLanes; ++c) o[c] = _mm512_fmadd_ps(pt, load_bf16(value + 16 * c), o[c]);
+                for (int c = 0; c < kLanes; ++c) o[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(&values[t * kDim + 16 * c]), o[c]);
               }
               for (int c = 0; c < kLanes; ++c) _mm512_storeu_ps(ah + 16 * c, o[c]);
             }
@@ -332,7 +341,7 @@ void paged_decode_attention(
 template <typename scalar_t>
 static void rms_norm_kernel(const scalar_t* x, scalar_t* residual, const scalar_t* weight, scalar_t* out,
                             int64_t rows, int64_t size, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElements / size), [&](int64_t begin, int64_t end) {
     std::vector<float> h(size);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * size;
@@ -382,7 +391,7 @@ template <typename scalar_t>
 static void rotary_kernel(scalar_t* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                           const scalar_t* cos, const scalar_t* sin) {
   const int64_t half = head_dim / 2;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElements / (heads * head_dim)), [&](int64_t begin, int64_t end) {
     std::vector<float> c(half), s(half);
     for (int64_t r = begin; r < end; ++r) {
       widen(cos + r * half, c.data(), half);
@@ -425,7 +434,7 @@ static inline void store_bf16(uint16_t* p, __m512 rounded) {
 static void rotary_bf16(uint16_t* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                         const uint16_t* cos, const uint16_t* sin) {
   const int64_t half = head_dim / 2;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElements / (heads * head_dim)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t i = 0; i < half; i += 16) {
         const __m512 c = load_bf16(cos + r * half + i), s = load_bf16(sin + r * half + i);
@@ -444,7 +453,7 @@ static void rotary_bf16(uint16_t* x, int64_t rows, int64_t row_stride, int64_t h
 // silu_and_mul_kernel for bf16, 16 lanes at a time (width a multiple of 16); exp by exp2_ps.
 static void silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t width) {
   const __m512 minus_log2e = _mm512_set1_ps(-1.44269504088896341f), one = _mm512_set1_ps(1.f);
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElements / width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* gate = gate_up + r * 2 * width;
       const uint16_t* up = gate + width;
@@ -486,7 +495,7 @@ void rotary_in_place(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // mantissa bits almost always hides.
 template <typename scalar_t>
 static void silu_and_mul_kernel(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t width) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElements / width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* gate = gate_up + r * 2 * width;
       const scalar_t* up = gate + width;
