@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from kernels import cpu_kernels
 from kernels.decode_attention import decode_attention
 from kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
 from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention, run_paged_attention
@@ -47,7 +48,7 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """The CPU path: torch ops, with decode rows in the C++ decode kernel where it could be built.
+    """The CPU path: torch ops, with the K/V writes and decode rows in the C++ kernels where they could be built.
     Plans the batch layout once per step and kind of layer (window, soft-capping) on the first layer
     that sees the step's metadata, and reuses the plan in every other layer of that kind."""
 
@@ -87,7 +88,10 @@ class TorchAttention:
                 shared_prefix_min_saved_tokens=shared_prefix,
                 window=window,
             )
-        write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)
+        if self.use_decode_kernel:
+            cpu_kernels.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        else:
+            write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)
         return run_paged_attention(
             query, k_cache, v_cache, plan, scale, new_key=key, new_value=value, softcap=softcap
         )

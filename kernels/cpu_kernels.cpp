@@ -1,11 +1,18 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Built with -march=native: the instruction sets are the build machine's, and the build is per CPU (see
+// cpu_kernels.py). Without AVX-512 BF16 the decode attention keeps its portable kernel.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__)
 #include <immintrin.h>
+#define CONVEYOR_AVX512_BF16 1
+#endif
+#if defined(CONVEYOR_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define CONVEYOR_AMX 1
@@ -29,6 +36,11 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
 // Below any real score, and finite: the kernels are built with -ffast-math (vectorized exp),
 // under which infinities are not allowed. exp(kNoScore - score) is exactly 0.
 constexpr float kNoScore = -1e30f;
+
+// The elementwise kernels keep work under this many elements on one thread: a parallel region costs microseconds,
+// and on a loaded machine one of its threads waiting for a core stalls the whole region (a decode step runs
+// hundreds of them).
+constexpr int64_t kSerialElements = 65536;
 
 template <typename scalar_t>
 static void decode_kernel(
@@ -137,6 +149,148 @@ static void decode_kernel(
   });
 }
 
+#ifdef CONVEYOR_AVX512_BF16
+// 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2 and 2^f by its degree-5 Taylor polynomial: relative error below
+// 3e-6, far under the bf16 rounding of the probabilities.
+static inline __m512 exp2_ps(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910071f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718055994531f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1; }
+
+static inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Lane i of the result: the sum of v[i]'s 16 lanes. A transpose-and-add tree, 45 instructions where 16 separate
+// horizontal sums take about 130.
+static inline __m512 sum_lanes_16(const __m512* v) {
+  __m512 w[8], y[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the lane's sum of v[4k], .., v[4k + 3]
+    const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+    y[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Then across the 128-bit lanes: 0x88 takes lanes (0, 2) of each operand, 0xdd lanes (1, 3).
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+}
+
+// bf16 paged decode attention with AVX-512 BF16, head_dim = 32 * kChunks. q.k by dpbf16ps straight from the
+// cache's bf16 rows (exact products, float32 sums; the scale applied to the float score), 16 keys at a time, their
+// scores summed together (sum_lanes_16); online softmax in float32; p.v with the values widened to float32 once
+// per kv head and each query head's accumulator in registers. A task is one sequence: each block is read once, all its kv heads
+// (contiguous in the cache) in one sweep, which the hardware prefetcher follows.
+template <int kChunks>
+static void decode_kernel_bf16(
+    const uint16_t* query, int64_t query_row_stride, int64_t query_head_stride,
+    const uint16_t* k_cache, const uint16_t* v_cache,
+    const int32_t* block_tables, int64_t max_blocks,
+    const int32_t* seq_lens, const int64_t* token_index,
+    uint16_t* out, int64_t out_row_stride,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+    float scale, int64_t window, float softcap) {
+  constexpr int64_t kDim = 32 * kChunks, kLanes = 2 * kChunks;  // kLanes: float32 registers per row
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t slot_stride = num_kv_heads * kDim;
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  // Sequences are handed out one at a time: their lengths differ too much for equal shares of the count.
+  std::atomic<int64_t> next_seq{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> acc(num_heads * kDim), running_max(num_heads), running_sum(num_heads);
+    alignas(64) float probs[16];
+    alignas(64) float values[16 * kDim];
+    for (int64_t seq = next_seq++; seq < num_seqs; seq = next_seq++) {
+      const int64_t length = seq_lens[seq];
+      const int64_t row = token_index[seq];
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(running_max.begin(), running_max.end(), kNoScore);
+      std::fill(running_sum.begin(), running_sum.end(), 0.f);
+      const int64_t num_blocks = (length + block_size - 1) / block_size;
+      // A sliding window attends the last `window` positions; blocks before them may be freed (-1).
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      for (int64_t b = first / block_size; b < num_blocks; ++b) {
+        const int64_t block = block_tables[seq * max_blocks + b];
+        const int64_t skip = std::max<int64_t>(0, first - b * block_size);  // leading positions outside the window
+        const int64_t tokens = std::min(block_size, length - b * block_size);
+        for (int64_t t0 = skip; t0 < tokens; t0 += 16) {
+          const int64_t n = std::min<int64_t>(16, tokens - t0);
+          const uint16_t* k_rows = k_cache + (block * block_size + t0) * slot_stride;
+          const uint16_t* v_rows = v_cache + (block * block_size + t0) * slot_stride;
+          for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+            // The chunk's values widened once for all the kv head's query heads.
+            for (int64_t t = 0; t < n; ++t)
+              for (int c = 0; c < kLanes; ++c)
+                _mm512_store_ps(&values[t * kDim + 16 * c], load_bf16(v_rows + t * slot_stride + kv * kDim + 16 * c));
+            for (int64_t j = 0; j < group; ++j) {
+              const int64_t h = kv * group + j;
+              const uint16_t* qh = query + row * query_row_stride + h * query_head_stride;
+              __m512i q[kChunks];
+              for (int c = 0; c < kChunks; ++c) q[c] = _mm512_loadu_si512(qh + 32 * c);
+              __m512 partial[16];
+              for (int64_t t = 0; t < 16; ++t) {
+                __m512 dot = _mm512_setzero_ps();
+                if (t < n) {
+                  const uint16_t* key = k_rows + t * slot_stride + kv * kDim;
+                  for (int c = 0; c < kChunks; ++c)
+                    dot = _mm512_dpbf16_ps(dot, (__m512bh)q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+                }
+                partial[t] = dot;
+              }
+              __m512 scores = _mm512_mul_ps(sum_lanes_16(partial), _mm512_set1_ps(scale));
+              if (softcap > 0.f) {
+                alignas(64) float s[16];
+                _mm512_store_ps(s, scores);
+                for (int t = 0; t < 16; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+                scores = _mm512_load_ps(s);
+              }
+              const __mmask16 real = first_lanes(n);
+              const float block_max = _mm512_mask_reduce_max_ps(real, scores);
+              const float new_max = std::max(running_max[h], block_max);
+              const float correction = std::exp(running_max[h] - new_max);
+              const __m512 p = _mm512_maskz_mov_ps(
+                  real, exp2_ps(_mm512_mul_ps(_mm512_sub_ps(scores, _mm512_set1_ps(new_max)), log2e)));
+              running_sum[h] = running_sum[h] * correction + _mm512_reduce_add_ps(p);
+              running_max[h] = new_max;
+              _mm512_store_ps(probs, p);
+              float* ah = &acc[h * kDim];
+              __m512 o[kLanes];
+              const __m512 scale_old = _mm512_set1_ps(correction);
+              for (int c = 0; c < kLanes; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(ah + 16 * c), scale_old);
+              for (int64_t t = 0; t < n; ++t) {
+                const __m512 pt = _mm512_set1_ps(probs[t]);
+                for (int c = 0; c < kLanes; ++c) o[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(&values[t * kDim + 16 * c]), o[c]);
+              }
+              for (int c = 0; c < kLanes; ++c) _mm512_storeu_ps(ah + 16 * c, o[c]);
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        uint16_t* dst = out + row * out_row_stride + h * kDim;
+        const __m512 inv = _mm512_set1_ps(running_sum[h] > 0.f ? 1.f / running_sum[h] : 0.f);
+        for (int c = 0; c < kChunks; ++c) {
+          const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(&acc[h * kDim + 32 * c]), inv);
+          const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(&acc[h * kDim + 32 * c + 16]), inv);
+          _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+    }
+  });
+}
+#endif
+
 void paged_decode_attention(
     torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor seq_lens, torch::Tensor token_index, torch::Tensor out, double scale, int64_t window,
@@ -145,6 +299,29 @@ void paged_decode_attention(
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32, "int32 tables");
   TORCH_CHECK(token_index.scalar_type() == torch::kInt64, "int64 token_index");
+#ifdef CONVEYOR_AVX512_BF16
+  const int64_t head_dim = k_cache.size(3);
+  if (query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && head_dim % 32 == 0 &&
+      (head_dim / 32) <= 8 && ((head_dim / 32) & (head_dim / 32 - 1)) == 0) {
+    const auto run = [&](auto chunks) {
+      decode_kernel_bf16<decltype(chunks)::value>(
+          reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()), query.stride(0), query.stride(1),
+          reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+          reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
+          block_tables.data_ptr<int32_t>(), block_tables.size(1),
+          seq_lens.data_ptr<int32_t>(), token_index.data_ptr<int64_t>(),
+          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), out.stride(0),
+          seq_lens.size(0), query.size(1), k_cache.size(2), k_cache.size(1),
+          static_cast<float>(scale), window, static_cast<float>(softcap));
+    };
+    switch (head_dim / 32) {
+      case 1: run(std::integral_constant<int, 1>{}); return;
+      case 2: run(std::integral_constant<int, 2>{}); return;
+      case 4: run(std::integral_constant<int, 4>{}); return;
+      default: run(std::integral_constant<int, 8>{}); return;
+    }
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(
         query.data_ptr<scalar_t>(), query.stride(0), query.stride(1),
@@ -164,7 +341,7 @@ void paged_decode_attention(
 template <typename scalar_t>
 static void rms_norm_kernel(const scalar_t* x, scalar_t* residual, const scalar_t* weight, scalar_t* out,
                             int64_t rows, int64_t size, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElements / size), [&](int64_t begin, int64_t end) {
     std::vector<float> h(size);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * size;
@@ -203,6 +380,183 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
                               static_cast<float>(eps));
   });
   return out;
+}
+
+// Rotary embedding (neox style: the first half of a head rotates with the second half) in place, over `heads`
+// heads of each row, for bfloat16 and float16. Every product and sum is rounded to the dtype as torch's separate
+// ops round them (a product of two bf16 or fp16 values is exact in float32), so the result is the torch
+// expression's bit for bit, in one pass instead of seven ops. Float32 stays on torch: there the fused multiply-adds
+// that -ffast-math allows would round differently.
+template <typename scalar_t>
+static void rotary_kernel(scalar_t* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
+                          const scalar_t* cos, const scalar_t* sin) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElements / (heads * head_dim)), [&](int64_t begin, int64_t end) {
+    std::vector<float> c(half), s(half);
+    for (int64_t r = begin; r < end; ++r) {
+      widen(cos + r * half, c.data(), half);
+      widen(sin + r * half, s.data(), half);
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* x1 = x + r * row_stride + h * head_dim;
+        scalar_t* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);
+          const float first = static_cast<float>(static_cast<scalar_t>(a * c[i])) -
+                              static_cast<float>(static_cast<scalar_t>(b * s[i]));
+          const float second = static_cast<float>(static_cast<scalar_t>(b * c[i])) +
+                               static_cast<float>(static_cast<scalar_t>(a * s[i]));
+          x1[i] = static_cast<scalar_t>(first);
+          x2[i] = static_cast<scalar_t>(second);
+        }
+      }
+    }
+  });
+}
+
+#ifdef CONVEYOR_AVX512_BF16
+// float32 -> bf16 rounding kept in float32 lanes (the low 16 bits cleared): round to nearest even, as
+// c10::BFloat16 rounds.
+static inline __m512 round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// 16 floats already rounded by round_bf16, stored as bf16.
+static inline void store_bf16(uint16_t* p, __m512 rounded) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+
+// rotary_kernel for bf16, 16 lanes at a time (head_dim / 2 a multiple of 16).
+static void rotary_bf16(uint16_t* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
+                        const uint16_t* cos, const uint16_t* sin) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElements / (heads * head_dim)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < half; i += 16) {
+        const __m512 c = load_bf16(cos + r * half + i), s = load_bf16(sin + r * half + i);
+        for (int64_t h = 0; h < heads; ++h) {
+          uint16_t* x1 = x + r * row_stride + h * head_dim + i;
+          uint16_t* x2 = x1 + half;
+          const __m512 a = load_bf16(x1), b = load_bf16(x2);
+          store_bf16(x1, round_bf16(_mm512_sub_ps(round_bf16(_mm512_mul_ps(a, c)), round_bf16(_mm512_mul_ps(b, s)))));
+          store_bf16(x2, round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(b, c)), round_bf16(_mm512_mul_ps(a, s)))));
+        }
+      }
+    }
+  });
+}
+
+// silu_and_mul_kernel for bf16, 16 lanes at a time (width a multiple of 16); exp by exp2_ps.
+static void silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t width) {
+  const __m512 minus_log2e = _mm512_set1_ps(-1.44269504088896341f), one = _mm512_set1_ps(1.f);
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElements / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* gate = gate_up + r * 2 * width;
+      const uint16_t* up = gate + width;
+      uint16_t* o = out + r * width;
+      for (int64_t i = 0; i < width; i += 16) {
+        const __m512 g = load_bf16(gate + i);
+        const __m512 activated = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, exp2_ps(_mm512_mul_ps(g, minus_log2e)))));
+        store_bf16(o + i, round_bf16(_mm512_mul_ps(activated, load_bf16(up + i))));
+      }
+    }
+  });
+}
+#endif
+
+// x: [T, heads, head_dim] (heads and head_dim contiguous within a row; rows may be strided, as slices of a fused
+// projection are); cos, sin: [T, head_dim / 2] contiguous, already rounded to x's dtype.
+void rotary_in_place(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "heads must be contiguous within a row");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) / 2 &&
+                  sin.numel() == cos.numel(), "cos and sin must be [T, head_dim / 2] and contiguous");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "one dtype");
+#ifdef CONVEYOR_AVX512_BF16
+  if (x.scalar_type() == at::kBFloat16 && x.size(2) % 32 == 0) {
+    rotary_bf16(reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>()), x.size(0), x.stride(0), x.size(1), x.size(2),
+                reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>()));
+    return;
+  }
+#endif
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "rotary_in_place", [&] {
+    rotary_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.stride(0), x.size(1), x.size(2),
+                            cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+  });
+}
+
+// SwiGLU's activation: silu(gate) * up of rows laid out [gate | up], for bfloat16 and float16, rounded as torch's
+// F.silu(gate) * up rounds (silu in float32, rounded, then the product rounded): one pass instead of two ops and
+// the activation's temporary. exp may differ from torch's in its last float bit, which rounding to 8 (or 11)
+// mantissa bits almost always hides.
+template <typename scalar_t>
+static void silu_and_mul_kernel(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialElements / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* gate = gate_up + r * 2 * width;
+      const scalar_t* up = gate + width;
+      scalar_t* o = out + r * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float activated = static_cast<float>(static_cast<scalar_t>(g / (1.f + std::exp(-g))));
+        o[i] = static_cast<scalar_t>(activated * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_and_mul needs contiguous [.., 2 * width]");
+  const int64_t width = gate_up.size(-1) / 2;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = width;
+  auto out = torch::empty(sizes, gate_up.options());
+#ifdef CONVEYOR_AVX512_BF16
+  if (gate_up.scalar_type() == at::kBFloat16 && width % 16 == 0) {
+    silu_and_mul_bf16(reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>()),
+                      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), gate_up.numel() / (2 * width), width);
+    return out;
+  }
+#endif
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(gate_up.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.numel() / (2 * width),
+                                  width);
+  });
+  return out;
+}
+
+// Copies each token's K and V rows ([T, kv_heads, head_dim], heads contiguous within a row) into its cache slot
+// (slot -1: dropped): one op for what index_copy_ does in two plus the padding check.
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping) {
+  const int64_t tokens = key.size(0), row = k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) * key.size(2) == row, "[T, kv_heads, D]");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2), "heads must be contiguous within a row");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(), "caches");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(), "dtypes");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == tokens, "int64 slot_mapping, one per token");
+  const int64_t slots = k_cache.size(0) * k_cache.size(1), bytes = row * key.element_size();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const auto* k_src = static_cast<const char*>(key.data_ptr());
+  const auto* v_src = static_cast<const char*>(value.data_ptr());
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot[t] < 0) continue;
+      TORCH_CHECK(slot[t] < slots, "slot ", slot[t], " is outside the cache");
+      std::memcpy(k_dst + slot[t] * bytes, k_src + t * k_stride, bytes);
+      std::memcpy(v_dst + slot[t] * bytes, v_src + t * v_stride, bytes);
+    }
+  });
 }
 
 // Structured output: the logits of each row's disallowed tokens become -inf, in place; bit j of word w of a row's
@@ -252,22 +606,6 @@ struct TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2 and 2^f by its degree-5 Taylor polynomial: relative error below
-// 3e-6, far under the bf16 rounding of the probabilities.
-static inline __m512 exp2_ps(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910071f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718055994531f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1; }
 
 struct SequenceBuffers {
   std::vector<uint16_t> queries;           // [heads, rows rounded up to 32, 32] bf16
@@ -403,11 +741,6 @@ static void attend_head(const uint16_t* queries, const uint32_t* k_tiles, const 
   }
 }
 
-static inline __m512 load_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // LayerNorm of bf16 rows (a multiple of 16 wide, at most 1024): each row read once into float32, statistics and
 // the affine map in float32, rounded once. torch's bf16 kernel takes 1.7x as long (8192 x 384, one thread).
 static void layer_norm_rows(const uint16_t* x, const uint16_t* weight, const uint16_t* bias, uint16_t* out,
@@ -517,6 +850,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional in-place residual add (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "disallowed tokens' float32 logits to -inf, in place (CPU)");
+  m.def("rotary_in_place", &rotary_in_place, "neox rotary embedding in place, bf16/fp16 (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, bf16/fp16 (CPU)");
+  m.def("write_kv_cache", &write_kv_cache, "K/V rows into their paged cache slots (CPU)");
   m.def("encoder_attention", &encoder_attention, "packed bidirectional attention, bf16, head_dim 32 (CPU, AMX)");
   m.def("layer_norm", &layer_norm, "LayerNorm, bf16, at most 1024 wide (CPU, AVX-512 BF16)");
   m.def("encoder_kernels_available", &encoder_kernels_available, "whether encoder_attention and layer_norm run here");

@@ -3,8 +3,12 @@
 Decode on a CPU is bound by memory bandwidth, and torch's composite ops pass over the data several
 times: the paged decode attention here reads K/V once straight through the block tables (the torch
 path gathers a padded copy first: three passes), with an online softmax per block and all query
-heads of a kv head at a time; the RMSNorm fuses the residual add and the float32 statistics into one
-pass per row. Their oracles are `paged_attention_reference` and the model's torch RMSNorm. The
+heads of a kv head at a time (in bf16 on a CPU with AVX-512 BF16: dot products by dpbf16ps straight
+from the cache, 16 keys' scores summed together, one sequence's blocks read once for all its kv heads);
+the RMSNorm fuses the residual add and the float32 statistics into one pass per row; in bf16 and fp16
+the rotary embedding (in place, bit for bit the torch expression), SwiGLU's silu(gate) * up and the
+K/V cache writes are one pass each instead of several torch ops. Their oracles are
+`paged_attention_reference`, the model's torch RMSNorm and the torch expressions they replace. The
 encoder attention of the embedding models attends packed sequences of any lengths with AMX tile
 matmuls, unpadded and unmasked: over the 17 batches of `bench.embeddings`' 1,000 chunks (16-256
 tokens, one thread) 215 ms against 458 ms for torch's flash attention on groups padded to multiples
@@ -106,6 +110,30 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Logits [rows, vocab] float32: where bit j of word w of a row's bitmask [rows, ceil(vocab / 32)] int32 is
     clear, token 32 * w + j's logit becomes -inf, in place."""
     _kernels().apply_token_bitmask(logits, bitmask)
+
+
+def rotary_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Neox-style rotary embedding of x ([T, heads, head_dim], bf16 or fp16; rows may be strided) in place, with
+    cos and sin ([T, head_dim / 2], contiguous) already in x's dtype; bit for bit torch's
+    `cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin))`."""
+    _kernels().rotary_in_place(x, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of contiguous [.., 2 * width] rows laid out [gate | up] (bf16 or fp16), rounded as
+    `F.silu(gate) * up` rounds."""
+    return _kernels().silu_and_mul(gate_up)
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]; heads contiguous within a row
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], key's dtype
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = drop
+) -> None:
+    """Each token's K/V rows into its cache slot: `write_kv_cache_reference` in one pass."""
+    _kernels().write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def encoder_kernels_available() -> bool:

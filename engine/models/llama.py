@@ -43,6 +43,9 @@ from kernels.rotary import apply_rotary as apply_rotary_in_place
 
 # Which kernels the layers use: plain torch, the C++ CPU kernels, or Triton (the CUDA path).
 LayerKernels = Literal["torch", "cpu", "triton"]
+# The dtypes whose rotary and SwiGLU activation the C++ kernels compute, rounding as the torch ops do; float32
+# keeps the torch ops (the oracle dtype, where a fused multiply-add would round differently).
+_CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class RMSNorm(nn.Module):
@@ -143,13 +146,15 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
 class RopeStep:
     """One step's rotary inputs, prepared once and used by every layer. The torch path indexes the
     tables once per step (cos/sin rounded to the activations' dtype, as HF does); the Triton kernel
-    reads the float32 tables by position itself."""
+    reads the float32 tables by position itself. With `in_place` the C++ CPU kernel rotates q and k
+    where they lie, rounding as the torch path does (bf16 and fp16 only)."""
 
     positions: torch.Tensor  # [T]
     cos_table: torch.Tensor  # [max_position, head_dim / 2] float32
     sin_table: torch.Tensor
     cos: torch.Tensor | None  # [T, 1, head_dim / 2] for the torch path; None on the Triton path
     sin: torch.Tensor | None
+    in_place: bool = False
 
     def rotate(self, qk: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates q and k, given side by side as one [T, heads + kv_heads, head_dim] tensor."""
@@ -157,6 +162,9 @@ class RopeStep:
             q, k = qk.split([num_heads, qk.shape[1] - num_heads], dim=1)
             apply_rotary_in_place(q, k, self.positions, self.cos_table, self.sin_table)
             return q, k
+        if self.in_place:
+            cpu_kernels.rotary_in_place(qk, self.cos, self.sin)
+            return qk[:, :num_heads], qk[:, num_heads:]
         x1, x2 = qk.chunk(2, dim=-1)
         rotated = torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1)
         q, k = rotated.split([num_heads, qk.shape[1] - num_heads], dim=1)
@@ -172,7 +180,7 @@ class RotaryEmbedding(nn.Module):
     sequence on the long factors passes its positions plus max_position_embeddings (`long_rope_rows`). Each
     sequence of a step reads its own half, so one step mixes short and long sequences, CUDA graphs included."""
 
-    def __init__(self, config: ModelConfig, use_triton: bool, local: bool = False) -> None:
+    def __init__(self, config: ModelConfig, kernels: LayerKernels, local: bool = False) -> None:
         """`local`: the sliding-window layers' own unscaled rotation at `local_rope_theta` (Gemma 3)."""
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
@@ -188,14 +196,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.cat([torch.outer(positions, inv_freq) for inv_freq in inv_freqs])
         self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
-        self.use_triton = use_triton
+        self.kernels = kernels
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
-        if self.use_triton:
+        if self.kernels == "triton":
             return RopeStep(positions, self.cos, self.sin, None, None)
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
-        return RopeStep(positions, self.cos, self.sin, cos, sin)
+        in_place = self.kernels == "cpu" and dtype in _CPU_KERNEL_DTYPES
+        return RopeStep(positions, self.cos, self.sin, cos, sin, in_place)
 
 
 class Attention(nn.Module):
@@ -250,13 +259,13 @@ class MLP(nn.Module):
     this rank's partial sum (a MoE model's shared expert: its block sums everything in one all-reduce)."""
 
     def __init__(
-        self, config: ModelConfig, use_triton: bool, intermediate_size: int | None = None, reduce_results: bool = True
+        self, config: ModelConfig, kernels: LayerKernels, intermediate_size: int | None = None, reduce_results: bool = True
     ) -> None:
         super().__init__()
         width = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, width)
         self.down_proj = RowParallelLinear(width, config.hidden_size, "intermediate_size", reduce_results)
-        self.use_triton = use_triton
+        self.kernels = kernels
         self.gelu = config.hidden_activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,8 +275,10 @@ class MLP(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.use_triton and not self.gelu:
+        if self.kernels == "triton" and not self.gelu:
             return self.down_proj(silu_and_mul(gate_up))
+        if self.kernels == "cpu" and not self.gelu and gate_up.dtype in _CPU_KERNEL_DTYPES:
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(activated * up)
@@ -283,7 +294,7 @@ class DecoderLayer(nn.Module):
 
     def build_mlp(self, config: ModelConfig, kernels: LayerKernels, layer_index: int) -> nn.Module:
         """The layer's feed-forward part; mixture-of-experts layers build their sparse block here."""
-        return MLP(config, use_triton=kernels == "triton")
+        return MLP(config, kernels)
 
     def forward(
         self,
@@ -308,10 +319,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layer_class(config, backend, kernels, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        use_triton = kernels == "triton"
-        self.rotary = RotaryEmbedding(config, use_triton)
+        self.rotary = RotaryEmbedding(config, kernels)
         # Gemma 3's sliding-window layers rotate at their own base.
-        self.local_rotary = RotaryEmbedding(config, use_triton, local=True) if config.local_rope_theta else None
+        self.local_rotary = RotaryEmbedding(config, kernels, local=True) if config.local_rope_theta else None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -119,7 +119,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert: MLP | None = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(
-                config, use_triton, intermediate_size=moe.shared_expert_intermediate_size, reduce_results=False
+                config, kernels, intermediate_size=moe.shared_expert_intermediate_size, reduce_results=False
             )
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 

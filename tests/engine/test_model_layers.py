@@ -36,3 +36,33 @@ def test_engine_runs_a_dummy_weight_model_from_a_config_folder(tiny_dummy_model)
     outputs = llm.generate([[5, 6, 7], [8] * 40], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 5]
     assert all(0 <= t < 300 for o in outputs for t in o.outputs[0].token_ids)
+
+
+
+@needs_onednn
+def test_bf16_cpu_kernels_generate_what_the_torch_path_does(smollm2_folder):
+    """The bf16 CPU path end to end (packed weights, C++ rotary, SwiGLU, K/V writes and decode attention) against
+    the torch ops in bf16, on chat prompts: the same greedy tokens until a near-tie. bf16 logits tie or swap within
+    a rounding step where the two paths round differently (oneDNN's matmuls, the kernel's summation order), and a
+    swap changes the rest of the sequence (before these kernels the bf16 paths parted after 7 and 10 tokens on two
+    of these prompts), so each path's first token must be among the other's top two, and every sequence must agree
+    on its first four tokens."""
+    from engine import LLM, SamplingParams
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(smollm2_folder)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Who wrote Hamlet?",
+                 "Explain photosynthesis to a child in two sentences.", "List three prime numbers.",
+                 "Describe the water cycle, covering evaporation, condensation, precipitation and collection."]
+    prompts = [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in questions
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outputs = {}
+    for kernels in (True, False):
+        llm = LLM(model=str(smollm2_folder), dtype="bfloat16", device="cpu", cpu_kernels=kernels, num_kv_blocks=256)
+        outputs[kernels] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for ours, theirs in zip(outputs[True], outputs[False]):
+        assert ours.token_ids[0] in theirs.logprobs[0] and theirs.token_ids[0] in ours.logprobs[0]
+        assert ours.token_ids[:4] == theirs.token_ids[:4]

@@ -16,7 +16,11 @@ from kernels.cpu_kernels import (
     load_cpu_kernels,
     paged_decode_attention,
     rms_norm,
+    rotary_in_place,
+    silu_and_mul,
+    write_kv_cache,
 )
+from kernels.kv_cache_write import write_kv_cache_reference
 from kernels.paged_attention import paged_attention_reference
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
@@ -90,6 +94,60 @@ def test_rms_norm_matches_the_torch_expression(dtype, rows, with_residual):
     if with_residual:
         assert torch.equal(given_residual, summed), "the residual must be updated to x + residual"
     torch.testing.assert_close(out, F.rms_norm(summed, (576,), weight, 1e-5), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128)])
+def test_rotary_in_place_is_the_torch_expression_bit_for_bit(dtype, rows, num_heads, num_kv_heads, head_dim):
+    """q and k rotated where they lie in a fused projection (strided rows), v untouched; cos and sin rounded to the
+    dtype first, as the model's torch path does."""
+    generator = torch.Generator().manual_seed(rows + head_dim)
+    qkv = (4 * torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)).to(dtype)
+    angles = torch.rand(rows, 1, head_dim // 2, generator=generator) * 1000
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(rows, num_heads + num_kv_heads, head_dim)
+    x1, x2 = qk.chunk(2, dim=-1)
+    expected = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    value_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
+
+    rotary_in_place(qk, cos, sin)
+
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], value_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (7, 37), (300, 1536)])
+def test_silu_and_mul_rounds_as_the_torch_ops(dtype, rows, width):
+    """exp may differ from torch's in its last float bits: the activation one step of the dtype off, rarely,
+    which the product with `up` carries into at most two steps of its own rounding."""
+    generator = torch.Generator().manual_seed(rows * width)
+    gate_up = (4 * torch.randn(rows, 2 * width, generator=generator)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = silu_and_mul(gate_up)
+    assert out.shape == (rows, width) and out.dtype == dtype
+    step = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=2 * step)
+    assert (out != expected).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_the_reference(dtype):
+    """Strided K/V rows (slices of a fused projection) into scattered slots; slot -1 drops its token."""
+    generator = torch.Generator().manual_seed(3)
+    num_kv_heads, head_dim, block_size = 3, 64, 16
+    fused = torch.randn(40, (3 + 2) * num_kv_heads * head_dim, generator=generator).to(dtype)
+    key = fused[:, 3 * num_kv_heads * head_dim : 4 * num_kv_heads * head_dim].view(40, num_kv_heads, head_dim)
+    value = fused[:, 4 * num_kv_heads * head_dim :].view(40, num_kv_heads, head_dim)
+    slots = torch.randperm(10 * block_size, generator=generator)[:40]
+    slots[[5, 17]] = -1
+    caches = [torch.randn(10, block_size, num_kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    write_kv_cache_reference(key, value, *expected, slots)
+    write_kv_cache(key, value, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 
 @pytest.mark.skipif(not encoder_kernels_available(), reason="needs a CPU with AMX")
