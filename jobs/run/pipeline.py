@@ -169,11 +169,18 @@ class Pipeline:
         if ledger.finish_if_last(self.sessions, batch_id):
             self.enqueue_finalize(batch_id)
 
+    def _finish_if_written(self, batch_id: str, index: int) -> bool:
+        """Mark the chunk done if an earlier attempt wrote all its results and only the bookkeeping is missing (its
+        worker died, or the bookkeeping failed); whether it did."""
+        written = ledger.written_chunk_counts(self.store, batch_id, index)
+        if written is None:
+            return False
+        log.info("batch %s chunk %d: output already written, marking it done", batch_id, index)
+        ledger.finish_chunk(self.sessions, batch_id, index, ChunkStatus.done, *written)
+        return True
+
     def _complete_chunk(self, batch: Batch, chunk: Chunk) -> None:
-        written = ledger.written_chunk_counts(self.store, batch.id, chunk.index)
-        if written is not None:  # ran to the end before its worker died; only the bookkeeping is missing
-            log.info("batch %s chunk %d: output already written, marking it done", batch.id, chunk.index)
-            ledger.finish_chunk(self.sessions, batch.id, chunk.index, ChunkStatus.done, *written)
+        if self._finish_if_written(batch.id, chunk.index):
             return
         with self.leases.hold(batch.id, chunk.index):
             lines = list(self._chunk_lines(batch, chunk))
@@ -209,9 +216,7 @@ class Pipeline:
             self.enqueue_finalize(batch_id)
 
     def _fail_chunk(self, batch: Batch, chunk: Chunk, attempts: int, error: BaseException) -> None:
-        written = ledger.written_chunk_counts(self.store, batch.id, chunk.index)
-        if written is not None:  # an earlier attempt wrote every result; only its bookkeeping failed
-            ledger.finish_chunk(self.sessions, batch.id, chunk.index, ChunkStatus.done, *written)
+        if self._finish_if_written(batch.id, chunk.index):
             return
         message = (
             f"the request's chunk of the batch failed {attempts} times, the last with {type(error).__name__}, "
