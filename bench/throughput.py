@@ -6,8 +6,9 @@ each static batch to its longest prompt and runs until its longest output is don
 each request asked for are counted, for both sides.
 
 It also prints the useful FLOP/s of each side against this machine's measured matmul peak (the
-roofline) and, on CPU, a second, profiled conveyor pass: where a step's time goes (matmuls,
-attention, other model ops, sampling, scheduling, Python overhead; see bench/step_profile.py).
+roofline) and, on CPU, a second, profiled conveyor pass over fresh prompts of the same shape (the
+first pass's are in the prefix cache by then): where a step's time goes (matmuls, attention, other
+model ops, sampling, scheduling, Python overhead; see bench/step_profile.py).
 
     python -m bench.throughput --num-requests 64 --prompt-len 32 512 --output-len 32 256
 
@@ -230,7 +231,11 @@ def run(args: argparse.Namespace) -> None:
         profile = StepProfile(llm.engine)
         profile.attach()
         steps_before = llm.engine.counters.steps
-        run_conveyor(llm, requests)
+        # Fresh prompts of the same shape: the timed pass's prompts are all in the prefix cache by now.
+        run_conveyor(llm, make_workload(
+            args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.engine.model_config.vocab_size,
+            args.seed + 1,
+        ))
         print(format_profile(profile.split(), llm.engine.counters.steps - steps_before), flush=True)
     if args.skip_hf:
         return

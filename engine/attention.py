@@ -52,8 +52,8 @@ class TorchAttention:
     Plans the batch layout once per step and kind of layer (window, soft-capping) on the first layer
     that sees the step's metadata, and reuses the plan in every other layer of that kind."""
 
-    def __init__(self, use_decode_kernel: bool, shared_prefix_min_saved_tokens: int = 0) -> None:
-        self.use_decode_kernel = use_decode_kernel
+    def __init__(self, use_cpu_kernels: bool, shared_prefix_min_saved_tokens: int = 0) -> None:
+        self.use_cpu_kernels = use_cpu_kernels
         self.shared_prefix_min_saved_tokens = shared_prefix_min_saved_tokens
         self._planned_for: AttentionMetadata | None = None
         self._plans: dict[tuple[int | None, bool], PagedAttentionPlan] = {}
@@ -84,11 +84,15 @@ class TorchAttention:
                 metadata.seq_lens,
                 metadata.block_tables,
                 k_cache.shape[1],
-                use_decode_kernel=self.use_decode_kernel,
+                use_decode_kernel=self.use_cpu_kernels,
                 shared_prefix_min_saved_tokens=shared_prefix,
                 window=window,
+                # The prefill kernel has no soft-capping.
+                use_prefill_kernel=self.use_cpu_kernels
+                and softcap is None
+                and cpu_kernels.prefill_attention_available(query.dtype, query.shape[-1]),
             )
-        if self.use_decode_kernel:
+        if self.use_cpu_kernels:
             cpu_kernels.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         else:
             write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)

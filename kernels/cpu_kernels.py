@@ -101,6 +101,30 @@ def paged_decode_attention(
     )
 
 
+def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `paged_prefill_attention` runs here: bf16, a CPU with AVX-512 BF16, head_dim 32, 64, 128 or 256."""
+    kernels = load_cpu_kernels()
+    return dtype == torch.bfloat16 and kernels is not None and kernels.prefill_attention_available(head_dim)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim] bf16; head_dim contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], the chunks' K/V already written
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: context length of each sequence after its chunk
+    query_starts: torch.Tensor,  # [B] int64: sequence i's chunk is query rows query_starts[i]..query_ends[i]
+    query_ends: torch.Tensor,  # [B] int64
+    scale: float,
+    out: torch.Tensor,  # [T, num_heads, head_dim] contiguous: only the chunks' rows are written
+    window: int | None = None,  # sliding window: a query at position p attends keys in (p - window, p]
+) -> None:
+    """Causal attention of prefill chunks (after any cached prefix) straight from the paged cache."""
+    _kernels().paged_prefill_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_starts, query_ends, out, scale, window or 0
+    )
+
+
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x (+ residual, which is then updated in place to x + residual)."""
     return _kernels().rms_norm(x, residual, weight, eps)

@@ -29,7 +29,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernels import paged_decode_attention
+from kernels.cpu_kernels import paged_decode_attention, paged_prefill_attention
 
 _BUCKET_FILL = 0.8  # a decode group's shortest context is at least this share of its longest
 # Rows per decode group: small enough that a group's gathered K/V stay in the CPU's caches until
@@ -69,6 +69,17 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class PrefillBatch:
+    """All multi-token rows, for the CPU prefill kernel, which reads the block tables itself."""
+
+    query_starts: torch.Tensor  # [b] int64: sequence i's chunk is query rows query_starts[i]..query_ends[i]
+    query_ends: torch.Tensor  # [b] int64
+    block_tables: torch.Tensor  # [b, max_blocks] int32
+    seq_lens: torch.Tensor  # [b] int32
+    window: int | None  # sliding window in tokens
+
+
+@dataclass(frozen=True)
 class SharedPrefixGroup:
     """Decode rows whose tables share their first blocks; every row's context extends past them."""
 
@@ -82,8 +93,9 @@ class SharedPrefixGroup:
 class PagedAttentionPlan:
     decode_groups: tuple[DecodeGroup, ...]  # the torch path's decode rows
     decode_batch: DecodeBatch | None  # the kernel path's decode rows (then decode_groups is empty)
-    prefill_rows: tuple[PrefillRow, ...]
+    prefill_rows: tuple[PrefillRow, ...]  # the torch path's prefill chunks
     shared_prefix_groups: tuple[SharedPrefixGroup, ...] = ()
+    prefill_batch: PrefillBatch | None = None  # the kernel path's prefill chunks (then prefill_rows is empty)
 
 
 def plan_paged_attention(
@@ -94,8 +106,9 @@ def plan_paged_attention(
     use_decode_kernel: bool = False,
     shared_prefix_min_saved_tokens: int = 0,
     window: int | None = None,
+    use_prefill_kernel: bool = False,
 ) -> PagedAttentionPlan:
-    """Decode rows sharing cached blocks are attended as `SharedPrefixGroup`s where that saves reading
+    """`use_decode_kernel`/`use_prefill_kernel`: single-token rows/prefill chunks go to the CPU kernels. Decode rows sharing cached blocks are attended as `SharedPrefixGroup`s where that saves reading
     at least `shared_prefix_min_saved_tokens` tokens' K/V ((rows - 1) x shared tokens); 0: never (and
     never with a `window`, whose rows share no attended prefix)."""
     if window is not None:
@@ -149,10 +162,21 @@ def plan_paged_attention(
             )
         )
 
+    prefill_batch = None
+    prefill_seqs = [i for i, q_len in enumerate(query_lens) if q_len > 1]
+    if use_prefill_kernel and prefill_seqs:
+        prefill_batch = PrefillBatch(
+            query_starts=torch.tensor([starts[i] for i in prefill_seqs], device=device),
+            query_ends=torch.tensor([starts[i + 1] for i in prefill_seqs], device=device),
+            block_tables=block_tables[torch.tensor(prefill_seqs, device=device)].contiguous(),
+            seq_lens=torch.tensor([lens[i] for i in prefill_seqs], dtype=torch.int32, device=device),
+            window=window,
+        )
+        prefill_seqs = []
+
     prefill_rows = []
-    for i, q_len in enumerate(query_lens):
-        if q_len <= 1:
-            continue
+    for i in prefill_seqs:
+        q_len = query_lens[i]
         seq_len = lens[i]
         first = first_block(seq_len - q_len) * block_size
         mask = None
@@ -171,7 +195,9 @@ def plan_paged_attention(
                 mask,
             )
         )
-    return PagedAttentionPlan(tuple(decode_groups), decode_batch, tuple(prefill_rows), tuple(shared_groups))
+    return PagedAttentionPlan(
+        tuple(decode_groups), decode_batch, tuple(prefill_rows), tuple(shared_groups), prefill_batch
+    )
 
 
 def _shared_prefix_groups(
@@ -273,6 +299,12 @@ def run_paged_attention(
         out[decode.token_index] = attn.reshape(batch, num_heads, head_dim)
     for shared in plan.shared_prefix_groups:
         out[shared.token_index] = _attend_shared_prefix(query, k_cache, v_cache, shared, scale)
+    if plan.prefill_batch is not None:
+        chunks = plan.prefill_batch
+        paged_prefill_attention(
+            query, k_cache, v_cache, chunks.block_tables, chunks.seq_lens, chunks.query_starts, chunks.query_ends,
+            scale, out, window=chunks.window,
+        )
     for prefill in plan.prefill_rows:
         if prefill.mask is None and new_key is not None and new_value is not None:
             keys, values = new_key[prefill.rows], new_value[prefill.rows]  # no prefix: what was just written

@@ -39,14 +39,18 @@ def test_engine_runs_a_dummy_weight_model_from_a_config_folder(tiny_dummy_model)
 
 
 
+# Two bf16 rounding steps of logits of magnitude 16 to 32, where these prompts' top logits lie.
+NEAR_TIE = 0.25
+
+
 @needs_onednn
 def test_bf16_cpu_kernels_generate_what_the_torch_path_does(smollm2_folder):
-    """The bf16 CPU path end to end (packed weights, C++ rotary, SwiGLU, K/V writes and decode attention) against
+    """The bf16 CPU path end to end (packed weights, C++ rotary, SwiGLU, K/V writes, prefill and decode attention) against
     the torch ops in bf16, on chat prompts: the same greedy tokens until a near-tie. bf16 logits tie or swap within
-    a rounding step where the two paths round differently (oneDNN's matmuls, the kernel's summation order), and a
+    a rounding step where the two paths round differently (oneDNN's matmuls, the kernels' summation order), and a
     swap changes the rest of the sequence (before these kernels the bf16 paths parted after 7 and 10 tokens on two
-    of these prompts), so each path's first token must be among the other's top two, and every sequence must agree
-    on its first four tokens."""
+    of these prompts; with them, one prompt's first token is an exact tie), so where two sequences part, each
+    path's token must be among the other's top two, at most NEAR_TIE nats apart in one of them."""
     from engine import LLM, SamplingParams
     from engine.tokenizer import Tokenizer
 
@@ -64,5 +68,10 @@ def test_bf16_cpu_kernels_generate_what_the_torch_path_does(smollm2_folder):
         llm = LLM(model=str(smollm2_folder), dtype="bfloat16", device="cpu", cpu_kernels=kernels, num_kv_blocks=256)
         outputs[kernels] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     for ours, theirs in zip(outputs[True], outputs[False]):
-        assert ours.token_ids[0] in theirs.logprobs[0] and theirs.token_ids[0] in ours.logprobs[0]
-        assert ours.token_ids[:4] == theirs.token_ids[:4]
+        parted = next((j for j, pair in enumerate(zip(ours.token_ids, theirs.token_ids)) if pair[0] != pair[1]), None)
+        if parted is None:
+            continue
+        mine, other = ours.token_ids[parted], theirs.token_ids[parted]
+        assert other in ours.logprobs[parted] and mine in theirs.logprobs[parted]
+        gaps = [abs(path.logprobs[parted][mine] - path.logprobs[parted][other]) for path in (ours, theirs)]
+        assert min(gaps) <= NEAR_TIE, f"the paths parted at token {parted} without a near-tie: {gaps}"

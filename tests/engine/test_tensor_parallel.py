@@ -164,7 +164,7 @@ def load_rank_shards(
     shards = []
     for rank in range(size):
         with building_with(group(rank=rank, size=size)):
-            model = MODEL_CLASSES[config.architecture](config, TorchAttention(use_decode_kernel=False))
+            model = MODEL_CLASSES[config.architecture](config, TorchAttention(use_cpu_kernels=False))
         model.load_weights((name, CountingSlice(name, s, read)) for name, s in iter_safetensors_slices(folder))
         shards.append(model)
     return shards, read
@@ -206,7 +206,7 @@ def test_each_rank_holds_its_slice_of_every_expert_and_their_outputs_sum_to_the_
     folder = save_random_hf_model(kind, tmp_path)
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     full = dict(iter_safetensors(folder))
-    whole = MoeForCausalLM(config, TorchAttention(use_decode_kernel=False))
+    whole = MoeForCausalLM(config, TorchAttention(use_cpu_kernels=False))
     whole.load_weights(full.items())
     size = 2
     shards, read = load_rank_shards(folder, config, size, Unreduced)
@@ -228,7 +228,7 @@ def test_each_rank_holds_its_slice_of_every_expert_and_their_outputs_sum_to_the_
             assert torch.equal(torch.cat(parts, dim=2), param), name
     # Stacked experts (transformers 5's modules) split the same way as one tensor per expert.
     with building_with(TensorParallelGroup(rank=1, size=size)):
-        from_stacked = MoeForCausalLM(config, TorchAttention(use_decode_kernel=False))
+        from_stacked = MoeForCausalLM(config, TorchAttention(use_cpu_kernels=False))
     from_stacked.load_weights(whole.state_dict().items())
     for name, param in from_stacked.named_parameters():
         assert torch.equal(param, shards[1].get_parameter(name)), name
