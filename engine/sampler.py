@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from kernels.cpu_kernels import greedy_sample
 from engine.structured_output import apply_token_bitmask
 from engine.transfer import to_device
 
@@ -61,6 +62,9 @@ class Sampler:
     ) -> SamplerOutput:
         """`token_bitmask`: [rows, ceil(vocab / 32)] int32, bit set = token allowed (structured output);
         None when no row is constrained."""
+        if self.cpu_kernels and token_bitmask is None and _plain_greedy(logits, rows):
+            token_ids, sampled_logprobs = greedy_sample(logits)
+            return SamplerOutput(token_ids=token_ids, logprobs=sampled_logprobs, top_logprobs=None)
         raw = logits.float()
         processed = process_logits(raw, rows, token_bitmask, self.cpu_kernels)
         token_ids = _pick_tokens(processed, rows)
@@ -83,12 +87,7 @@ def process_logits(
     The input is never modified: when no row needs any step it comes back as is (converted to float32),
     otherwise as a new tensor.
     """
-    repetition_rows = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
-    count_rows = [
-        i for i, row in enumerate(rows) if row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0
-    ]
-    min_tokens_rows = [i for i, row in enumerate(rows) if len(row.output_token_ids) < row.params.min_tokens]
-    bias_rows = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    repetition_rows, count_rows, min_tokens_rows, bias_rows = _processed_rows(rows)
     if not (repetition_rows or count_rows or min_tokens_rows or bias_rows or token_bitmask is not None):
         return logits.float()
 
@@ -107,6 +106,28 @@ def process_logits(
         row_index, token_index = _coordinates(min_tokens_rows, banned, logits.device)
         logits[row_index, token_index] = -math.inf
     return logits
+
+
+def _processed_rows(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The rows each processing step changes: (repetition penalty, frequency/presence, min_tokens, logit_bias)."""
+    return (
+        [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0],
+        [i for i, row in enumerate(rows) if row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0],
+        [i for i, row in enumerate(rows) if len(row.output_token_ids) < row.params.min_tokens],
+        [i for i, row in enumerate(rows) if row.params.logit_bias],
+    )
+
+
+def _plain_greedy(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> bool:
+    """Whether every row takes the raw logits' argmax and wants only its log-prob (no top log-probs, no beams):
+    then one C++ pass over each row (`greedy_sample`) does all the sampler's work. bf16 or float32 on the CPU."""
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.bfloat16, torch.float32)
+        and logits.stride(-1) == 1
+        and all(row.params.greedy and not row.params.logprobs and not row.params.use_beam_search for row in rows)
+        and not any(_processed_rows(rows))
+    )
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow], row_indices: list[int]) -> None:

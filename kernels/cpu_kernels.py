@@ -179,3 +179,9 @@ def encoder_attention(
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm over the last dimension (bf16, a multiple of 16 wide, at most 1024), float32 inside."""
     return _kernels().layer_norm(x, weight, bias, eps)
+
+
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's first maximum [rows] int64, its log-probability [rows] float32) of logits [rows, vocab]
+    (float32 or bf16, contiguous rows): `max(dim=-1)` and `max - logsumexp` in one kernel."""
+    return _kernels().greedy_sample(logits)

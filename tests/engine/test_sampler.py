@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.sampler import Sampler, SamplingRow, process_logits
 from engine.sampling_params import SamplingParams
+from kernels.cpu_kernels import load_cpu_kernels
 
 sampler = Sampler()
 
@@ -97,6 +99,31 @@ def test_greedy_is_argmax_of_raw_logits_first_maximum_on_ties(
     assert out.token_ids.dtype == torch.int64
     assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))
     assert out.top_logprobs is None
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 40),
+    vocab_size=st.integers(2, 3000),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    ties=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_the_cpu_greedy_kernel_picks_and_scores_as_the_torch_path(
+    batch: int, vocab_size: int, dtype: torch.dtype, ties: bool, seed: int
+) -> None:
+    """All-greedy batches without processing take one C++ pass (`greedy_sample`): same tokens (the first maximum)
+    and the same log-probs, to float32 summation error."""
+    generator = torch.Generator().manual_seed(seed)
+    if ties:
+        logits = torch.randint(-3, 4, (batch, vocab_size), generator=generator).to(dtype)
+    else:
+        logits = (torch.randn(batch, vocab_size, generator=generator) * 8).to(dtype)
+    rows = [make_row(SamplingParams(temperature=0.0), seed=i) for i in range(batch)]
+    ours, theirs = Sampler(cpu_kernels=True)(logits, rows), sampler(logits, rows)
+    assert torch.equal(ours.token_ids, theirs.token_ids)
+    torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=2e-5, rtol=0)
 
 
 def test_greedy_does_not_depend_on_seed_or_step() -> None:
