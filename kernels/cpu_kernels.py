@@ -16,6 +16,13 @@ of 16; its oracle is exact attention per sequence, which it meets as closely as 
 Their bf16 LayerNorm reads each row once (torch's: 1.7x the time); its oracle is torch's. The structured-output
 bitmask kernel sets the logits of disallowed tokens to -inf a 32-token word at a time (256 rows of a 49k vocabulary:
 1.4 ms against 38 ms for xgrammar's CPU kernel); its oracle is a masked_fill of the unpacked bits.
+The bf16 prefill attention (AVX-512 BF16) attends every prefill chunk of a step in one call straight from the
+paged cache: each sequence's K/V packed once per kv head into dpbf16ps' pair layout, then tiles of query rows
+with an online softmax per 64-key span (33 prompts of 32-512 tokens, SmolLM2's heads: about half the machine's
+bf16 matmul peak, 7-16x torch's flash attention called per sequence); its oracle is `paged_attention_reference`
+in float32, which it meets as closely as torch's bf16 path. The greedy sampler's pass finds each row's first
+maximum and its log-probability (max - logsumexp) in three passes over the row while it sits in L2 (64 rows of a
+49k vocabulary: 0.8 ms against 8 ms for torch's float copy, max and logsumexp); its oracle is those torch ops.
 
 The extension compiles with torch's cpp_extension (ninja + the system C++ compiler) into
 `$TORCH_EXTENSIONS_DIR`, once per source version, checkout and CPU. Where it cannot be built,
