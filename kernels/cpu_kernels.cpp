@@ -278,19 +278,28 @@ static void decode_kernel_bf16(
         for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
           const uint16_t* keys = k_cache + kv * kDim;
           const uint16_t* vals = v_cache + kv * kDim;
-          // The kv head's rows of the next span are fetched into L2 a pair at a time while this span's values are
-          // interleaved (blocks lie anywhere in the cache, and the hardware prefetcher would start over at each),
-          // the rest of a short last span's share after them. Written out, not a function: GCC deems a function
-          // that only prefetches pure and drops the calls.
-          const __m512i zero = _mm512_setzero_si512();
-          for (int64_t i = 0, t = 0; i < kSpan / 2; ++i) {
-            for (; t < std::min(2 * i + 2, next_n); ++t) {
+          // The next kv head's rows (the next span's first kv head's, after the last) are prefetched into L2 a
+          // few at a time, spread over this kv head's work in kSteps steps: blocks lie anywhere in the cache, and
+          // the hardware prefetcher would start over at each. always_inline: GCC deems a function that only
+          // prefetches pure, and drops the calls if it is analysed before it is inlined.
+          const bool last_head = kv + 1 == num_kv_heads;
+          const int64_t* ahead_rows = last_head ? next_rows : span_rows;
+          const int64_t ahead_n = last_head ? next_n : n;
+          const uint16_t* ahead_keys = k_cache + (last_head ? 0 : kv + 1) * kDim;
+          const uint16_t* ahead_vals = v_cache + (last_head ? 0 : kv + 1) * kDim;
+          const int64_t steps = (group + 1) * kPieces;
+          int64_t ahead_t = 0;
+          const auto prefetch_step = [&](int64_t step) __attribute__((always_inline)) {
+            for (const int64_t upto = (step + 1) * ahead_n / steps; ahead_t < upto; ++ahead_t) {
               for (int c = 0; c < kChunks; ++c) {
-                __builtin_prefetch(keys + next_rows[t] + 32 * c, 0, 2);
-                __builtin_prefetch(vals + next_rows[t] + 32 * c, 0, 2);
+                __builtin_prefetch(ahead_keys + ahead_rows[ahead_t] + 32 * c, 0, 2);
+                __builtin_prefetch(ahead_vals + ahead_rows[ahead_t] + 32 * c, 0, 2);
               }
             }
-            if (i >= num_pairs) continue;
+          };
+          const __m512i zero = _mm512_setzero_si512();
+          for (int64_t i = 0; i < num_pairs; ++i) {
+            if (i % 8 == 0) prefetch_step(i / 8);
             for (int c = 0; c < kChunks; ++c) {
               const __m512i a = 2 * i < n ? _mm512_loadu_si512(vals + span_rows[2 * i] + 32 * c) : zero;
               const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(vals + span_rows[2 * i + 1] + 32 * c) : zero;
@@ -306,6 +315,7 @@ static void decode_kernel_bf16(
             __m512 scores[kPieces];
             for (int64_t piece = 0; piece < kPieces; ++piece) {
               if (16 * piece >= n) break;
+              prefetch_step((j + 1) * kPieces + piece);
               __m512 partial[16];
               for (int64_t t = 0; t < 16; ++t) {
                 __m512 dot = _mm512_setzero_ps();
@@ -359,6 +369,7 @@ static void decode_kernel_bf16(
               _mm512_storeu_ps(ah + 16 * c, o[0][c]);
             }
           }
+          prefetch_step(steps - 1);  // what a short span's steps left
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
