@@ -207,8 +207,9 @@ static inline __m512 unpermute_dims(__m512 lo, __m512 hi, int part) {
 
 // bf16 paged decode attention with AVX-512 BF16, head_dim = 32 * kChunks. A task is one sequence, taken a span of
 // up to kSpan positions at a time (a span may cross blocks: each position's row is found through the block table),
-// all its kv heads per span, the next span's rows prefetched meanwhile (blocks lie anywhere in the cache, and the
-// hardware prefetcher would start over at each). Per kv head and span, the value rows of positions t and t + 1 are
+// all its kv heads per span, each kv head's work prefetching the next one's rows (the next span's, after the last
+// kv head; the following sequence's first, after its last span): blocks lie anywhere in the cache, and the
+// hardware prefetcher would start over at each. Per kv head and span, the value rows of positions t and t + 1 are
 // interleaved once (unpacklo/hi_epi16) for all the kv head's query heads. Then per query head and span:
 //  - q.k by dpbf16ps straight from the cache's bf16 rows (exact products, float32 sums; the scale applied to the
 //    float score), 16 keys at a time, their scores summed together (sum_lanes_16);
@@ -278,10 +279,10 @@ static void decode_kernel_bf16(
         for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
           const uint16_t* keys = k_cache + kv * kDim;
           const uint16_t* vals = v_cache + kv * kDim;
-          // The next kv head's rows (the next span's first kv head's, after the last) are prefetched into L2 a
-          // few at a time, spread over this kv head's work in kSteps steps: blocks lie anywhere in the cache, and
-          // the hardware prefetcher would start over at each. always_inline: GCC deems a function that only
-          // prefetches pure, and drops the calls if it is analysed before it is inlined.
+          // The next kv head's rows go to L2 a few at a time, spread over this kv head's work in `steps` steps (the
+          // interleave's, then each query head's pieces): in one burst they stall the loads that need the data
+          // now. always_inline: GCC deems a function that only prefetches pure, and drops the calls if it is
+          // analysed before it is inlined.
           const bool last_head = kv + 1 == num_kv_heads;
           const int64_t* ahead_rows = last_head ? next_rows : span_rows;
           const int64_t ahead_n = last_head ? next_n : n;
