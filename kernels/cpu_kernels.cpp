@@ -173,6 +173,15 @@ static inline __m512 load_bf16(const uint16_t* p) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// float32 -> bf16 rounding kept in float32 lanes (the low 16 bits cleared): round to nearest even, as
+// c10::BFloat16 rounds.
+static inline __m512 round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // Lane i of the result: the sum of v[i]'s 16 lanes. A transpose-and-add tree, 45 instructions where 16 separate
 // horizontal sums take about 130.
 static inline __m512 sum_lanes_16(const __m512* v) {
@@ -189,11 +198,28 @@ static inline __m512 sum_lanes_16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
 }
 
-// bf16 paged decode attention with AVX-512 BF16, head_dim = 32 * kChunks. q.k by dpbf16ps straight from the
-// cache's bf16 rows (exact products, float32 sums; the scale applied to the float score), 16 keys at a time, their
-// scores summed together (sum_lanes_16); online softmax in float32; p.v with the values widened to float32 once
-// per kv head and each query head's accumulator in registers. A task is one sequence: each block is read once, all its kv heads
-// (contiguous in the cache) in one sweep, which the hardware prefetcher follows.
+// The interleave of two value rows by unpacklo/hi_epi16 works per 128-bit lane: of each 32 dims, the unpacklo
+// accumulator holds dims 8L..8L+3 in lanes 4L..4L+3 (L: the 128-bit lane), the unpackhi accumulator dims
+// 8L+4..8L+7. These are dims 16 * part .. 16 * part + 15 in order.
+static inline __m512 unpermute_dims(__m512 lo, __m512 hi, int part) {
+  const __m512i index = part == 0 ? _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23)
+                                  : _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  return _mm512_permutex2var_ps(lo, index, hi);
+}
+
+// bf16 paged decode attention with AVX-512 BF16, head_dim = 32 * kChunks. A task is one sequence, taken a span of
+// up to kSpan positions at a time (a span may cross blocks: each position's row is found through the block table),
+// all its kv heads per span, each kv head's work prefetching the next one's rows (the next span's, after the last
+// kv head; the following sequence's first, after its last span): blocks lie anywhere in the cache, and the
+// hardware prefetcher would start over at each. Per kv head and span, the value rows of positions t and t + 1 are
+// interleaved once (unpacklo/hi_epi16) for all the kv head's query heads. Then per query head and span:
+//  - q.k by dpbf16ps straight from the cache's bf16 rows (exact products, float32 sums; the scale applied to the
+//    float score), 16 keys at a time, their scores summed together (sum_lanes_16);
+//  - one online-softmax step for the whole span in float32: one max, one correction, the probabilities by exp2_ps,
+//    rounded to bf16 (as torch's bf16 flash attention rounds them for p.v) and summed as rounded, so that the
+//    output is a weighted mean of the values with exactly the weights it was accumulated with;
+//  - p.v by dpbf16ps: each pair (p_t, p_t+1) broadcast against the interleaved rows, into float32 accumulators
+//    whose dims unpermute_dims puts back in order when the output is written.
 template <int kChunks>
 static void decode_kernel_bf16(
     const uint16_t* query, int64_t query_row_stride, int64_t query_head_stride,
@@ -204,6 +230,11 @@ static void decode_kernel_bf16(
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
     float scale, int64_t window, float softcap) {
   constexpr int64_t kDim = 32 * kChunks, kLanes = 2 * kChunks;  // kLanes: float32 registers per row
+  // Positions per softmax step: the more, the fewer maxima, corrections and sums per key; a span's interleaved
+  // values (kSpan * kDim bf16) stay well within L1.
+  constexpr int64_t kSpan = kChunks >= 8 ? 32 : 64, kPieces = kSpan / 16;
+  // Independent p.v accumulator chains per row: about 8 keep dpbf16ps's latency hidden.
+  constexpr int64_t kSets = kLanes >= 8 ? 1 : 8 / kLanes;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * kDim;
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
@@ -211,81 +242,147 @@ static void decode_kernel_bf16(
   std::atomic<int64_t> next_seq{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> acc(num_heads * kDim), running_max(num_heads), running_sum(num_heads);
-    alignas(64) float probs[16];
-    alignas(64) float values[16 * kDim];
-    for (int64_t seq = next_seq++; seq < num_seqs; seq = next_seq++) {
+    int64_t rows[2][kSpan];                 // this span's and the next one's rows: offsets into the caches
+    alignas(64) uint32_t pairs[kSpan / 2];  // bf16 probabilities of positions 2i and 2i + 1
+    __m512i values[kSpan / 2 * kLanes];     // value rows 2i and 2i + 1 interleaved
+    // A sliding window attends the last `window` positions; blocks before them may be freed (-1).
+    const auto first_position = [&](int64_t seq) {
+      return window > 0 ? std::max<int64_t>(0, seq_lens[seq] - window) : int64_t{0};
+    };
+    // The cache offsets of sequence seq's positions from `begin`, up to a span's worth; returns their count.
+    const auto locate = [&](int64_t seq, int64_t begin, int64_t* span_rows) {
+      const int32_t* table = block_tables + seq * max_blocks;
+      const int64_t count = std::min<int64_t>(kSpan, seq_lens[seq] - begin);
+      for (int64_t t = 0, b = begin / block_size, slot = begin % block_size; t < count; ++t) {
+        span_rows[t] = (table[b] * block_size + slot) * slot_stride;
+        if (++slot == block_size) slot = 0, ++b;
+      }
+      return std::max<int64_t>(0, count);
+    };
+    // The sequence after this one is claimed a sequence ahead, for the last span to prefetch its first.
+    int64_t span = 0;
+    for (int64_t seq = next_seq++, following; seq < num_seqs; seq = following) {
+      following = next_seq++;
       const int64_t length = seq_lens[seq];
       const int64_t row = token_index[seq];
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(running_max.begin(), running_max.end(), kNoScore);
       std::fill(running_sum.begin(), running_sum.end(), 0.f);
-      const int64_t num_blocks = (length + block_size - 1) / block_size;
-      // A sliding window attends the last `window` positions; blocks before them may be freed (-1).
-      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-      for (int64_t b = first / block_size; b < num_blocks; ++b) {
-        const int64_t block = block_tables[seq * max_blocks + b];
-        const int64_t skip = std::max<int64_t>(0, first - b * block_size);  // leading positions outside the window
-        const int64_t tokens = std::min(block_size, length - b * block_size);
-        for (int64_t t0 = skip; t0 < tokens; t0 += 16) {
-          const int64_t n = std::min<int64_t>(16, tokens - t0);
-          const uint16_t* k_rows = k_cache + (block * block_size + t0) * slot_stride;
-          const uint16_t* v_rows = v_cache + (block * block_size + t0) * slot_stride;
-          for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-            // The chunk's values widened once for all the kv head's query heads.
-            for (int64_t t = 0; t < n; ++t)
-              for (int c = 0; c < kLanes; ++c)
-                _mm512_store_ps(&values[t * kDim + 16 * c], load_bf16(v_rows + t * slot_stride + kv * kDim + 16 * c));
-            for (int64_t j = 0; j < group; ++j) {
-              const int64_t h = kv * group + j;
-              const uint16_t* qh = query + row * query_row_stride + h * query_head_stride;
-              __m512i q[kChunks];
-              for (int c = 0; c < kChunks; ++c) q[c] = _mm512_loadu_si512(qh + 32 * c);
+      locate(seq, first_position(seq), rows[span]);
+      for (int64_t start = first_position(seq); start < length; start += kSpan, span ^= 1) {
+        const int64_t n = std::min(kSpan, length - start);
+        // Pairs past the span's last position carry zero probabilities and zero values.
+        const int64_t num_pairs = ((n + 1) / 2 + kSets - 1) / kSets * kSets;
+        const int64_t* span_rows = rows[span];
+        const int64_t* next_rows = rows[span ^ 1];
+        const int64_t next_n = start + kSpan < length ? locate(seq, start + kSpan, rows[span ^ 1])
+                               : following < num_seqs ? locate(following, first_position(following), rows[span ^ 1])
+                                                      : 0;
+        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+          const uint16_t* keys = k_cache + kv * kDim;
+          const uint16_t* vals = v_cache + kv * kDim;
+          // The next kv head's rows go to L2 a few at a time, spread over this kv head's work in `steps` steps (the
+          // interleave's, then each query head's pieces): in one burst they stall the loads that need the data
+          // now. always_inline: GCC deems a function that only prefetches pure, and drops the calls if it is
+          // analysed before it is inlined.
+          const bool last_head = kv + 1 == num_kv_heads;
+          const int64_t* ahead_rows = last_head ? next_rows : span_rows;
+          const int64_t ahead_n = last_head ? next_n : n;
+          const uint16_t* ahead_keys = k_cache + (last_head ? 0 : kv + 1) * kDim;
+          const uint16_t* ahead_vals = v_cache + (last_head ? 0 : kv + 1) * kDim;
+          const int64_t steps = (group + 1) * kPieces;
+          int64_t ahead_t = 0;
+          const auto prefetch_step = [&](int64_t step) __attribute__((always_inline)) {
+            for (const int64_t upto = (step + 1) * ahead_n / steps; ahead_t < upto; ++ahead_t) {
+              for (int c = 0; c < kChunks; ++c) {
+                __builtin_prefetch(ahead_keys + ahead_rows[ahead_t] + 32 * c, 0, 2);
+                __builtin_prefetch(ahead_vals + ahead_rows[ahead_t] + 32 * c, 0, 2);
+              }
+            }
+          };
+          const __m512i zero = _mm512_setzero_si512();
+          for (int64_t i = 0; i < num_pairs; ++i) {
+            if (i % 8 == 0) prefetch_step(i / 8);
+            for (int c = 0; c < kChunks; ++c) {
+              const __m512i a = 2 * i < n ? _mm512_loadu_si512(vals + span_rows[2 * i] + 32 * c) : zero;
+              const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(vals + span_rows[2 * i + 1] + 32 * c) : zero;
+              values[i * kLanes + 2 * c] = _mm512_unpacklo_epi16(a, b);
+              values[i * kLanes + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+            }
+          }
+          for (int64_t j = 0; j < group; ++j) {
+            const int64_t h = kv * group + j;
+            const uint16_t* qh = query + row * query_row_stride + h * query_head_stride;
+            __m512i q[kChunks];
+            for (int c = 0; c < kChunks; ++c) q[c] = _mm512_loadu_si512(qh + 32 * c);
+            __m512 scores[kPieces];
+            for (int64_t piece = 0; piece < kPieces; ++piece) {
+              if (16 * piece >= n) break;
+              prefetch_step((j + 1) * kPieces + piece);
               __m512 partial[16];
               for (int64_t t = 0; t < 16; ++t) {
                 __m512 dot = _mm512_setzero_ps();
-                if (t < n) {
-                  const uint16_t* key = k_rows + t * slot_stride + kv * kDim;
+                if (16 * piece + t < n) {
+                  const uint16_t* key = keys + span_rows[16 * piece + t];
                   for (int c = 0; c < kChunks; ++c)
                     dot = _mm512_dpbf16_ps(dot, (__m512bh)q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
                 }
                 partial[t] = dot;
               }
-              __m512 scores = _mm512_mul_ps(sum_lanes_16(partial), _mm512_set1_ps(scale));
-              if (softcap > 0.f) {
-                alignas(64) float s[16];
-                _mm512_store_ps(s, scores);
-                for (int t = 0; t < 16; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
-                scores = _mm512_load_ps(s);
+              scores[piece] = _mm512_mul_ps(sum_lanes_16(partial), _mm512_set1_ps(scale));
+            }
+            if (softcap > 0.f) {
+              alignas(64) float s[kSpan];
+              for (int64_t piece = 0; 16 * piece < n; ++piece) _mm512_store_ps(s + 16 * piece, scores[piece]);
+              for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+              for (int64_t piece = 0; 16 * piece < n; ++piece) scores[piece] = _mm512_load_ps(s + 16 * piece);
+            }
+            __m512 top = _mm512_set1_ps(kNoScore);
+            for (int64_t piece = 0; 16 * piece < n; ++piece)
+              top = _mm512_mask_max_ps(top, first_lanes(n - 16 * piece), top, scores[piece]);
+            const float new_max = std::max(running_max[h], _mm512_reduce_max_ps(top));
+            const float correction = std::exp(running_max[h] - new_max);
+            __m512 p[kPieces], total = _mm512_setzero_ps();
+            for (int64_t piece = 0; piece < kPieces; ++piece) {
+              p[piece] = _mm512_setzero_ps();
+              if (16 * piece >= n) continue;
+              const __m512 e = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(scores[piece], _mm512_set1_ps(new_max)), log2e));
+              p[piece] = round_bf16(_mm512_maskz_mov_ps(first_lanes(n - 16 * piece), e));
+              total = _mm512_add_ps(total, p[piece]);
+            }
+            running_sum[h] = running_sum[h] * correction + _mm512_reduce_add_ps(total);
+            running_max[h] = new_max;
+            for (int64_t k = 0; k < kPieces / 2; ++k)  // rounded already: the conversion is exact
+              _mm512_store_si512(pairs + 16 * k, (__m512i)_mm512_cvtne2ps_pbh(p[2 * k + 1], p[2 * k]));
+            float* ah = &acc[h * kDim];
+            __m512 o[kSets][kLanes];
+            for (int c = 0; c < kLanes; ++c) {
+              o[0][c] = _mm512_mul_ps(_mm512_loadu_ps(ah + 16 * c), _mm512_set1_ps(correction));
+              for (int64_t s = 1; s < kSets; ++s) o[s][c] = _mm512_setzero_ps();
+            }
+            for (int64_t i = 0; i < num_pairs; i += kSets) {
+              for (int64_t s = 0; s < kSets; ++s) {
+                const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i + s]));
+                for (int c = 0; c < kLanes; ++c)
+                  o[s][c] = _mm512_dpbf16_ps(o[s][c], pair, (__m512bh)values[(i + s) * kLanes + c]);
               }
-              const __mmask16 real = first_lanes(n);
-              const float block_max = _mm512_mask_reduce_max_ps(real, scores);
-              const float new_max = std::max(running_max[h], block_max);
-              const float correction = std::exp(running_max[h] - new_max);
-              const __m512 p = _mm512_maskz_mov_ps(
-                  real, exp2_ps(_mm512_mul_ps(_mm512_sub_ps(scores, _mm512_set1_ps(new_max)), log2e)));
-              running_sum[h] = running_sum[h] * correction + _mm512_reduce_add_ps(p);
-              running_max[h] = new_max;
-              _mm512_store_ps(probs, p);
-              float* ah = &acc[h * kDim];
-              __m512 o[kLanes];
-              const __m512 scale_old = _mm512_set1_ps(correction);
-              for (int c = 0; c < kLanes; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(ah + 16 * c), scale_old);
-              for (int64_t t = 0; t < n; ++t) {
-                const __m512 pt = _mm512_set1_ps(probs[t]);
-                for (int c = 0; c < kLanes; ++c) o[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(&values[t * kDim + 16 * c]), o[c]);
-              }
-              for (int c = 0; c < kLanes; ++c) _mm512_storeu_ps(ah + 16 * c, o[c]);
+            }
+            for (int c = 0; c < kLanes; ++c) {
+              for (int64_t s = 1; s < kSets; ++s) o[0][c] = _mm512_add_ps(o[0][c], o[s][c]);
+              _mm512_storeu_ps(ah + 16 * c, o[0][c]);
             }
           }
+          prefetch_step(steps - 1);  // what a short span's steps left
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         uint16_t* dst = out + row * out_row_stride + h * kDim;
         const __m512 inv = _mm512_set1_ps(running_sum[h] > 0.f ? 1.f / running_sum[h] : 0.f);
         for (int c = 0; c < kChunks; ++c) {
-          const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(&acc[h * kDim + 32 * c]), inv);
-          const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(&acc[h * kDim + 32 * c + 16]), inv);
-          _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+          const __m512 lo = _mm512_loadu_ps(&acc[h * kDim + 32 * c]), hi = _mm512_loadu_ps(&acc[h * kDim + 32 * c + 16]);
+          const __m512 first_half = _mm512_mul_ps(unpermute_dims(lo, hi, 0), inv);
+          const __m512 second_half = _mm512_mul_ps(unpermute_dims(lo, hi, 1), inv);
+          _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(second_half, first_half));
         }
       }
     }
@@ -417,15 +514,6 @@ static void rotary_kernel(scalar_t* x, int64_t rows, int64_t row_stride, int64_t
 }
 
 #ifdef CONVEYOR_AVX512_BF16
-// float32 -> bf16 rounding kept in float32 lanes (the low 16 bits cleared): round to nearest even, as
-// c10::BFloat16 rounds.
-static inline __m512 round_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
 // 16 floats already rounded by round_bf16, stored as bf16.
 static inline void store_bf16(uint16_t* p, __m512 rounded) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),

@@ -3,8 +3,11 @@
 Decode on a CPU is bound by memory bandwidth, and torch's composite ops pass over the data several
 times: the paged decode attention here reads K/V once straight through the block tables (the torch
 path gathers a padded copy first: three passes), with an online softmax per block and all query
-heads of a kv head at a time (in bf16 on a CPU with AVX-512 BF16: dot products by dpbf16ps straight
-from the cache, 16 keys' scores summed together, one sequence's blocks read once for all its kv heads);
+heads of a kv head at a time (in bf16 on a CPU with AVX-512 BF16: q.k and p.v both by dpbf16ps straight
+from the cache's bf16, the probabilities rounded to bf16 as torch's bf16 attention rounds them, one
+softmax step per 64 positions, the next rows prefetched since blocks lie anywhere in the cache: 64
+sequences of 400 positions in SmolLM2-135M's shape, two threads, 0.79 ms a layer where widening the
+values to float32 for p.v took 2.0, and a plain read of the K/V 0.56);
 the RMSNorm fuses the residual add and the float32 statistics into one pass per row; in bf16 and fp16
 the rotary embedding (in place, bit for bit the torch expression), SwiGLU's silu(gate) * up and the
 K/V cache writes are one pass each instead of several torch ops. Their oracles are
