@@ -48,7 +48,8 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """The CPU path: torch ops, with the K/V writes and decode rows in the C++ kernels where they could be built.
+    """The CPU path: torch ops, with the K/V writes, decode rows and (bf16 on AVX-512 BF16) prefill chunks in the
+    C++ kernels where they could be built.
     Plans the batch layout once per step and kind of layer (window, soft-capping) on the first layer
     that sees the step's metadata, and reuses the plan in every other layer of that kind."""
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
-from kernels.cpu_kernels import greedy_sample
 from engine.structured_output import apply_token_bitmask
 from engine.transfer import to_device
+from kernels.cpu_kernels import greedy_sample
 
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 _GOLDEN_GAMMA = 0x9E37_79B9_7F4A_7C15  # SplitMix64's stream increment

@@ -108,7 +108,8 @@ def plan_paged_attention(
     window: int | None = None,
     use_prefill_kernel: bool = False,
 ) -> PagedAttentionPlan:
-    """`use_decode_kernel`/`use_prefill_kernel`: single-token rows/prefill chunks go to the CPU kernels. Decode rows sharing cached blocks are attended as `SharedPrefixGroup`s where that saves reading
+    """`use_decode_kernel` / `use_prefill_kernel`: single-token rows / prefill chunks go to the CPU kernels.
+    Decode rows sharing cached blocks are attended as `SharedPrefixGroup`s where that saves reading
     at least `shared_prefix_min_saved_tokens` tokens' K/V ((rows - 1) x shared tokens); 0: never (and
     never with a `window`, whose rows share no attended prefix)."""
     if window is not None:
