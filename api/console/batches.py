@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from api.batches import cancel_job
-from api.console.rendering import ConsoleRoute, page
+from api.console.rendering import ConsoleRoute, confirm_page, page
 from api.console.sessions import FormViewerDep, ViewerDep
 from api.deps import ReadEngineDep, ReadSessionsDep, StopFlagsDep, StoreDep, WriteSessionsDep
 from api.schemas import BatchObject, RagJobObject
@@ -93,15 +93,13 @@ def batch_live(
 def confirm_cancel(request: Request, batch_id: str, reads: ReadEngineDep, viewer: ViewerDep) -> HTMLResponse:
     with reads.connect() as connection:
         batch = batches.get_batch(connection, viewer.project_id, batch_id)
-    return page(
+    return confirm_page(
         request,
-        "confirm.html",
         viewer,
-        title=f"Cancel batch {batch.id}?",
-        explanation="Requests not yet answered are dropped; the answers so far stay in its output file.",
-        action=f"/console/batches/{batch.id}/cancel",
-        confirm_label="Cancel the batch",
-        back=f"/console/batches/{batch.id}",
+        f"Cancel batch {batch.id}?",
+        "Requests not yet answered are dropped; the answers so far stay in its output file.",
+        "Cancel the batch",
+        f"/console/batches/{batch.id}",
     )
 
 

@@ -63,6 +63,14 @@ def page(request: Request, template: str, viewer: Viewer | None, status_code: in
     )
 
 
+def confirm_page(request: Request, viewer: Viewer, question: str, consequence: str, button: str, back: str) -> HTMLResponse:
+    """The page that confirms a state-changing action: its form posts to this same path, with the CSRF token."""
+    return page(
+        request, "confirm.html", viewer, title=question, explanation=consequence, action=request.url.path,
+        confirm_label=button, back=back,
+    )
+
+
 # Pages hold a project's data: not kept by shared caches, nor by the browser's back/forward cache after sign-out.
 _NO_STORE = {"Cache-Control": "no-store"}
 

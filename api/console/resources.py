@@ -9,7 +9,7 @@ from zoneinfo import ZoneInfo
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, StreamingResponse
 
-from api.console.rendering import ConsoleRoute, page
+from api.console.rendering import ConsoleRoute, confirm_page, page
 from api.console.sessions import FormViewerDep, ViewerDep
 from api.deps import ReadEngineDep, ReadSessionsDep, SettingsDep, StoreDep, WriteSessionsDep
 from api.files import file_content
@@ -45,15 +45,13 @@ def file_download(file_id: str, sessions: ReadSessionsDep, store: StoreDep, view
 def confirm_file_delete(request: Request, file_id: str, sessions: ReadSessionsDep, viewer: ViewerDep) -> HTMLResponse:
     with sessions() as session:
         row = files.get_file(session, viewer.project_id, file_id)
-    return page(
+    return confirm_page(
         request,
-        "confirm.html",
         viewer,
-        title=f"Delete file {row.filename}?",
-        explanation=f"{row.id} and its bytes are deleted; batches that name it keep their own records.",
-        action=f"/console/files/{row.id}/delete",
-        confirm_label="Delete the file",
-        back="/console/files",
+        f"Delete file {row.filename}?",
+        f"{row.id} and its bytes are deleted; batches that name it keep their own records.",
+        "Delete the file",
+        "/console/files",
     )
 
 
@@ -109,15 +107,13 @@ def confirm_webhook_delete(
 ) -> HTMLResponse:
     with sessions() as session:
         endpoint = endpoints.get_endpoint(session, viewer.project_id, webhook_id)
-    return page(
+    return confirm_page(
         request,
-        "confirm.html",
         viewer,
-        title=f"Delete webhook endpoint {endpoint.name}?",
-        explanation="Events stop going to it; its deliveries and their attempts are deleted with it.",
-        action=f"/console/webhooks/{endpoint.id}/delete",
-        confirm_label="Delete the endpoint",
-        back=f"/console/webhooks/{endpoint.id}",
+        f"Delete webhook endpoint {endpoint.name}?",
+        "Events stop going to it; its deliveries and their attempts are deleted with it.",
+        "Delete the endpoint",
+        f"/console/webhooks/{endpoint.id}",
     )
 
 
