@@ -59,7 +59,7 @@ templates.env.globals.update(share=_share, sparkline=_sparkline)
 
 def page(request: Request, template: str, viewer: Viewer | None, status_code: int = 200, **context: Any) -> HTMLResponse:
     return templates.TemplateResponse(
-        request, template, {"viewer": viewer, **context}, status_code=status_code, headers=_NO_STORE
+        request, template, {"viewer": viewer, **context}, status_code=status_code, headers=_PAGE_HEADERS
     )
 
 
@@ -71,8 +71,16 @@ def confirm_page(request: Request, viewer: Viewer, question: str, consequence: s
     )
 
 
-# Pages hold a project's data: not kept by shared caches, nor by the browser's back/forward cache after sign-out.
-_NO_STORE = {"Cache-Control": "no-store"}
+_PAGE_HEADERS = {
+    # Pages hold a project's data: not kept by shared caches, nor by the browser's back/forward cache after sign-out.
+    "Cache-Control": "no-store",
+    # Scripts only from the console itself, and no page inside another site's frame (its buttons cancel and delete).
+    # Inline styles stay allowed: progress bars set their widths with them.
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; frame-ancestors 'none'; "
+    "form-action 'self'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+}
 
 
 class ConsoleRoute(APIRoute):

@@ -5,16 +5,30 @@ tests (`test_console_browser.py`) drive the same pages in Chromium against the w
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from conveyor.local_stack import free_port, scratch_redis_prefix
 from jobs import db
 from jobs.keys import create_key_in_database, revoke_key
+from jobs.settings import Settings, replace
 from tests.api.test_batch_service import client_for, completion_file
-from tests.stack_fixtures import Stack
+from tests.stack_fixtures import REDIS_URL, Stack, running_stack
+
+
+@pytest.fixture(scope="module")
+def console_stack(service_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """An API process without a worker, on queues of its own: the shared stack's worker, if running, does not take
+    these batches, which stay `validating` and so can be cancelled at leisure."""
+    with scratch_redis_prefix(REDIS_URL) as prefix:
+        settings = replace(service_settings, redis_prefix=prefix, api_port=free_port())
+        with running_stack(settings, tmp_path_factory.mktemp("console-api"), with_worker=False) as stack:
+            yield stack
 
 
 def api_root(stack: Stack) -> str:
@@ -41,14 +55,14 @@ def submitted_batch(client: openai.OpenAI, prefix: str) -> Any:
     return client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
 
 
-def test_sign_in_exchanges_a_key_for_a_strict_httponly_cookie(api_only_stack: Stack) -> None:
-    root = api_root(api_only_stack)
+def test_sign_in_exchanges_a_key_for_a_strict_httponly_cookie(console_stack: Stack) -> None:
+    root = api_root(console_stack)
     away = httpx.get(f"{root}/console/batches?status=failed", follow_redirects=True)
     assert away.url.path == "/console/sign-in" and "next=%2Fconsole%2Fbatches%3Fstatus%3Dfailed" in str(away.url)
     refused = httpx.post(f"{root}/console/sign-in", data={"api_key": "sk-not-a-key"})
     assert refused.status_code == 401 and "not valid" in refused.text and "set-cookie" not in refused.headers
 
-    key = api_only_stack.new_key("console-cookie")
+    key = console_stack.new_key("console-cookie")
     answer = httpx.post(f"{root}/console/sign-in", data={"api_key": key, "next": "https://elsewhere.example/"})
     assert answer.status_code == 303 and answer.headers["location"] == "/console"  # never off the console
     cookie = answer.headers["set-cookie"]
@@ -56,12 +70,13 @@ def test_sign_in_exchanges_a_key_for_a_strict_httponly_cookie(api_only_stack: St
     assert key not in cookie  # an opaque token, not the key
     page = httpx.get(f"{root}/console", cookies=answer.cookies)
     assert page.status_code == 200 and "no-store" in page.headers["cache-control"]
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"]  # no clickjacking of its buttons
 
 
-def test_a_session_sees_only_its_projects_objects(api_only_stack: Stack) -> None:
-    mine, theirs = api_only_stack.new_key("console-mine"), api_only_stack.new_key("console-theirs")
-    batch = submitted_batch(client_for(api_only_stack, mine), "console-tenancy")
-    own, other = signed_in(api_only_stack, mine), signed_in(api_only_stack, theirs)
+def test_a_session_sees_only_its_projects_objects(console_stack: Stack) -> None:
+    mine, theirs = console_stack.new_key("console-mine"), console_stack.new_key("console-theirs")
+    batch = submitted_batch(client_for(console_stack, mine), "console-tenancy")
+    own, other = signed_in(console_stack, mine), signed_in(console_stack, theirs)
 
     assert batch.id in own.get("/console/batches").text and batch.id in own.get(f"/console/batches/{batch.id}").text
     assert own.get(f"/console/files/{batch.input_file_id}/content").status_code == 200
@@ -71,15 +86,15 @@ def test_a_session_sees_only_its_projects_objects(api_only_stack: Stack) -> None
         assert other.get(path).status_code == 404, path
     cancel = other.post(f"/console/batches/{batch.id}/cancel", data={"csrf_token": csrf_token(other)})
     assert cancel.status_code == 404
-    assert client_for(api_only_stack, mine).batches.retrieve(batch.id).status == "validating"  # no worker here
+    assert client_for(console_stack, mine).batches.retrieve(batch.id).status == "validating"  # no worker here
 
 
-def test_state_changing_forms_need_the_sessions_csrf_token(api_only_stack: Stack) -> None:
-    key = api_only_stack.new_key("console-csrf")
-    client = client_for(api_only_stack, key)
+def test_state_changing_forms_need_the_sessions_csrf_token(console_stack: Stack) -> None:
+    key = console_stack.new_key("console-csrf")
+    client = client_for(console_stack, key)
     batch = submitted_batch(client, "console-csrf")
-    browser = signed_in(api_only_stack, key)
-    other_session_token = csrf_token(signed_in(api_only_stack, key))
+    browser = signed_in(console_stack, key)
+    other_session_token = csrf_token(signed_in(console_stack, key))
 
     for form in ({}, {"csrf_token": ""}, {"csrf_token": other_session_token}):
         refused = browser.post(f"/console/batches/{batch.id}/cancel", data=form)
@@ -101,24 +116,27 @@ def test_state_changing_forms_need_the_sessions_csrf_token(api_only_stack: Stack
         client.files.retrieve(batch.input_file_id)
 
 
-def test_signing_out_or_revoking_the_key_ends_the_session(api_only_stack: Stack) -> None:
-    browser = signed_in(api_only_stack, api_only_stack.new_key("console-out"))
+def test_signing_out_or_revoking_the_key_ends_the_session(console_stack: Stack) -> None:
+    browser = signed_in(console_stack, console_stack.new_key("console-out"))
     stolen_cookie = dict(browser.cookies)
     assert browser.post("/console/sign-out", data={"csrf_token": csrf_token(browser)}).url.path == "/console/sign-in"
-    replayed = httpx.get(api_root(api_only_stack) + "/console/batches", cookies=stolen_cookie, follow_redirects=True)
+    replayed = httpx.get(api_root(console_stack) + "/console/batches", cookies=stolen_cookie, follow_redirects=True)
     assert replayed.url.path == "/console/sign-in"  # the token is gone server-side, not only from the browser
-    assert httpx.get(api_root(api_only_stack) + "/console/batches/live", cookies=stolen_cookie).status_code == 401
+    assert httpx.get(api_root(console_stack) + "/console/batches/live", cookies=stolen_cookie).status_code == 401
 
-    created = create_key_in_database(api_only_stack.settings.database_url, "console-revoked")
-    browser = signed_in(api_only_stack, created.secret)
-    sessions = db.make_session_factory(db.make_engine(api_only_stack.settings.database_url))
+    created = create_key_in_database(console_stack.settings.database_url, "console-revoked")
+    browser = signed_in(console_stack, created.secret)
+    sessions = db.make_session_factory(db.make_engine(console_stack.settings.database_url))
     with sessions.begin() as session:
         assert revoke_key(session, created.key_id)
-    assert browser.get("/console/batches").url.path == "/console/sign-in"
+    deadline = time.monotonic() + 5  # the revocation reaches the API by PostgreSQL NOTIFY, within moments
+    while browser.get("/console/batches").url.path != "/console/sign-in":
+        assert time.monotonic() < deadline, "a revoked key's session still works"
+        time.sleep(0.1)
 
 
-def test_every_page_renders_and_refuses_unknown_parameters(api_only_stack: Stack) -> None:
-    browser = signed_in(api_only_stack, api_only_stack.new_key("console-pages"))
+def test_every_page_renders_and_refuses_unknown_parameters(console_stack: Stack) -> None:
+    browser = signed_in(console_stack, console_stack.new_key("console-pages"))
     for path in ("/console", "/console/batches", "/console/files", "/console/schedules", "/console/webhooks",
                  "/console/rag", "/console/models", "/console/workers", "/console/workers/live"):
         answer = browser.get(path)

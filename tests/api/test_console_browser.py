@@ -28,12 +28,17 @@ from tests.stack_fixtures import Stack
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 INSTALL_HINT = "apt-get update && apt-get install -y chromium chromium-driver, and pip install selenium"
 WAIT_SECONDS = 240.0  # a batch of a few short lines on a busy 2-core machine
+# Form controls a screen reader could not name.
+UNLABELLED_CONTROLS = """return Array.from(document.querySelectorAll("input:not([type=hidden]), select, textarea"))
+  .filter((control) => !(control.labels && control.labels.length) && !control.getAttribute("aria-label"))
+  .map((control) => control.outerHTML);"""
 
 try:
     from selenium import webdriver
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.remote.webdriver import WebDriver
 except ImportError:  # pragma: no cover - the `test` extra installs it
     webdriver = None
@@ -166,6 +171,8 @@ def test_a_batch_seen_through_the_console(
     rows = {row.get_attribute("data-batch") for row in browser.find_elements(By.CSS_SELECTOR, "tr[data-batch]")}
     assert {batch.id, doomed.id} <= rows
     browser.save_screenshot(str(screenshots / "batches.png"))
+    browser.find_element(By.TAG_NAME, "body").send_keys(Keys.TAB)  # the keyboard's first stop skips the menu
+    assert browser.switch_to.active_element.text == "Skip to content"
     browser.find_element(By.CSS_SELECTOR, "#status option[value=cancelled]").click()
     browser.find_element(By.CSS_SELECTOR, "form.filter button").click()
     eventually(lambda: "status=cancelled" in browser.current_url, "the filtered list", 30)
@@ -189,9 +196,11 @@ def test_a_batch_seen_through_the_console(
 
     eventually(worker_shown, "the worker's gauges", 60)
     browser.save_screenshot(str(screenshots / "workers.png"))
-    for page in ("files", "models", "schedules"):
+    for page in ("files", "models", "schedules", "batches", f"batches/{batch.id}", "sign-in"):
         browser.get(f"{root}/console/{page}")
-        browser.save_screenshot(str(screenshots / f"{page}.png"))
+        assert not browser.execute_script(UNLABELLED_CONTROLS), page
+        if "/" not in page:
+            browser.save_screenshot(str(screenshots / f"{page}.png"))
     browser.set_window_size(390, 844)  # a phone
     browser.get(f"{root}/console/batches/{batch.id}")
     browser.save_screenshot(str(screenshots / "batch-phone.png"))

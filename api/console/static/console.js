@@ -21,12 +21,25 @@ function poll(element) {
     holder.innerHTML = await response.text();
     const fresh = holder.firstElementChild;
     if (!fresh) { poll(element); return; }
-    // Keep the reader's place: which error groups are open survives the swap.
+    // Keep the reader's place: which error groups are open, and the keyboard focus, survive the swap.
     const open = new Set(Array.from(element.querySelectorAll("details[open]"), (d) => d.dataset.code));
     fresh.querySelectorAll("details").forEach((d) => { if (open.has(d.dataset.code)) d.open = true; });
+    const focused = element.contains(document.activeElement) ? twinSelector(document.activeElement) : null;
     element.replaceWith(fresh);
+    const twin = focused && fresh.querySelector(focused);
+    if (twin) twin.focus();
     if (fresh.dataset.live) poll(fresh);
   }, seconds * 1000);
+}
+
+// A selector for the same control in a fresh copy of the fragment: its id, or its link target.
+function twinSelector(control) {
+  if (control.id) return "#" + CSS.escape(control.id);
+  if (control.getAttribute("href")) return `a[href="${CSS.escape(control.getAttribute("href"))}"]`;
+  if (control.tagName === "SUMMARY" && control.parentElement.dataset.code) {
+    return `details[data-code="${CSS.escape(control.parentElement.dataset.code)}"] > summary`;
+  }
+  return null;
 }
 
 document.addEventListener("DOMContentLoaded", () => {
