@@ -15,7 +15,8 @@ from api.console import batches, resources
 from api.console.rendering import PACKAGE, ConsoleRoute, page
 from api.console.batches import batch_rows
 from api.console.sessions import COOKIE_NAME, SESSION_SECONDS, ConsoleSessions, FormViewerDep, ViewerDep
-from api.deps import ReadEngineDep
+from api.deps import ReadEngineDep, SettingsDep
+from jobs.telemetry.worker_samples import worker_histories
 
 router = APIRouter(prefix="/console", route_class=ConsoleRoute, include_in_schema=False)
 
@@ -37,9 +38,15 @@ def _local(target: str | None) -> str:
 
 
 @router.get("", response_class=HTMLResponse)
-def overview(request: Request, reads: ReadEngineDep, viewer: ViewerDep) -> Response:
+def overview(request: Request, reads: ReadEngineDep, settings: SettingsDep, viewer: ViewerDep) -> Response:
     rows = batch_rows(reads, viewer.project_id, None, None)
-    return page(request, "overview.html", viewer, **{**rows, "batches": rows["batches"][:OVERVIEW_ROWS], "live": False})
+    workers = worker_histories(request.app.state.redis, settings.redis_prefix)
+    return page(
+        request,
+        "overview.html",
+        viewer,
+        **{**rows, "batches": rows["batches"][:OVERVIEW_ROWS], "live": False, "workers": workers},
+    )
 
 
 @router.get("/sign-in", response_class=HTMLResponse)

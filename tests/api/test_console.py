@@ -136,7 +136,19 @@ def test_signing_out_or_revoking_the_key_ends_the_session(console_stack: Stack) 
 
 
 def test_every_page_renders_and_refuses_unknown_parameters(console_stack: Stack) -> None:
-    browser = signed_in(console_stack, console_stack.new_key("console-pages"))
+    key = console_stack.new_key("console-pages")
+    batch = submitted_batch(client_for(console_stack, key), "console-pages")
+    schedule = httpx.post(
+        console_stack.base_url + "/schedules",
+        headers={"authorization": f"Bearer {key}"},
+        json={"cron": "0 2 * * *", "timezone": "Europe/Paris", "endpoint": "/v1/completions",
+              "completion_window": "24h", "input_file_id": batch.input_file_id},
+    )
+    assert schedule.status_code == 200, schedule.text
+    browser = signed_in(console_stack, key)
+    # Fire times on the schedule's own clock: 02:00 in Paris, whatever the server's zone (CET or CEST by date).
+    fires = re.findall(r"<li>(\d{4}-\d\d-\d\d \d\d:\d\d \w+)</li>", browser.get("/console/schedules").text)
+    assert len(fires) == 3 and all(fire[11:16] == "02:00" and fire.split()[-1] in ("CET", "CEST") for fire in fires), fires
     for path in ("/console", "/console/batches", "/console/files", "/console/schedules", "/console/webhooks",
                  "/console/rag", "/console/models", "/console/workers", "/console/workers/live"):
         answer = browser.get(path)

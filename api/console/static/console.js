@@ -16,7 +16,10 @@ function poll(element) {
       return;
     }
     if (response.status === 401) { window.location.reload(); return; }
-    if (!response.ok) { poll(element); return; }
+    if (!response.ok) {
+      if (response.status >= 500) poll(element);  // a passing outage; a 4xx (the batch is gone) ends the polling
+      return;
+    }
     const holder = document.createElement("div");
     holder.innerHTML = await response.text();
     const fresh = holder.firstElementChild;
