@@ -1,86 +1,23 @@
 """The web console: server-rendered pages under /console over the services the JSON routes use, for the project
-of the API key a person signed in with (`sessions.py`). `install_console(app)` adds it to the API's app."""
+of the API key a person signed in with (`sessions.py`). `install_console(app)` adds it to the API's app: `home.py`
+(sign-in, sign-out, overview), `batches.py` (batches and RAG jobs), `resources.py` (files, schedules, webhooks,
+models, workers), their templates and the static CSS and script."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, FastAPI, Form, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from redis import Redis
-from starlette.concurrency import run_in_threadpool
 
-from api.console import batches, resources
-from api.console.rendering import PACKAGE, ConsoleRoute, page
-from api.console.batches import batch_rows
-from api.console.sessions import COOKIE_NAME, SESSION_SECONDS, ConsoleSessions, FormViewerDep, ViewerDep
-from api.deps import ReadEngineDep, SettingsDep
-from jobs.telemetry.worker_samples import worker_histories
-
-router = APIRouter(prefix="/console", route_class=ConsoleRoute, include_in_schema=False)
-
-OVERVIEW_ROWS = 10
+from api.console import batches, home, resources
+from api.console.rendering import PACKAGE
+from api.console.sessions import ConsoleSessions
 
 
 def install_console(app: FastAPI, redis: Redis, redis_prefix: str) -> None:
     app.state.redis = redis
     app.state.console_sessions = ConsoleSessions(redis, redis_prefix)
-    app.include_router(router)
+    app.include_router(home.router)
     app.include_router(batches.router)
     app.include_router(resources.router)
     app.mount("/console/static", StaticFiles(directory=PACKAGE / "static"), name="console-static")
-
-
-def _local(target: str | None) -> str:
-    """Where to go after sign-in: a console path only, never another site."""
-    return target if target and target.startswith("/console") and not target.startswith("//") else "/console"
-
-
-@router.get("", response_class=HTMLResponse)
-def overview(request: Request, reads: ReadEngineDep, settings: SettingsDep, viewer: ViewerDep) -> Response:
-    rows = batch_rows(reads, viewer.project_id, None, None)
-    workers = worker_histories(request.app.state.redis, settings.redis_prefix)
-    return page(
-        request,
-        "overview.html",
-        viewer,
-        **{**rows, "batches": rows["batches"][:OVERVIEW_ROWS], "live": False, "workers": workers},
-    )
-
-
-@router.get("/sign-in", response_class=HTMLResponse)
-def sign_in_form(request: Request, next: str | None = None) -> HTMLResponse:
-    return page(request, "sign_in.html", None, next=_local(next), problem=None)
-
-
-@router.post("/sign-in")
-async def sign_in(
-    request: Request, api_key: Annotated[str, Form()] = "", next: Annotated[str, Form()] = "/console"
-) -> Response:
-    secret = api_key.strip()
-    project_id = await request.app.state.keys.project_for(secret) if secret else None
-    if project_id is None:
-        problem = "Enter an API key." if not secret else "That API key is not valid (or was revoked)."
-        return page(request, "sign_in.html", None, 401, next=_local(next), problem=problem)
-    token = await run_in_threadpool(request.app.state.console_sessions.open, secret)
-    response = RedirectResponse(_local(next), status_code=303)
-    response.set_cookie(
-        COOKIE_NAME,
-        token,
-        max_age=SESSION_SECONDS,
-        path="/console",
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-    )
-    return response
-
-
-@router.post("/sign-out")
-async def sign_out(request: Request, viewer: FormViewerDep) -> Response:
-    await run_in_threadpool(request.app.state.console_sessions.close, request.cookies[COOKIE_NAME])
-    response = RedirectResponse("/console/sign-in", status_code=303)
-    response.delete_cookie(COOKIE_NAME, path="/console", httponly=True, samesite="strict")
-    return response
-
