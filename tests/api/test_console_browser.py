@@ -166,10 +166,17 @@ def test_a_batch_seen_through_the_console(
         lambda: browser.find_element(By.ID, "batch-status").text == "cancelled", "the cancelled batch's status", 60
     )
 
-    # The list shows both with their progress; filtering by status keeps only the cancelled one.
+    # The list, open while a third batch runs, shows it reach completed by its own polling too.
+    listed_upload = client.files.create(file=("listed.jsonl", jsonl(lines[:2])), purpose="batch")
+    listed = client.batches.create(input_file_id=listed_upload.id, endpoint="/v1/completions", completion_window="24h")
     browser.get(f"{root}/console/batches")
+    browser.execute_script("window.__loadedOnce = true;")
+    row_status = f"tr[data-batch={listed.id}] .status"
+    eventually(lambda: browser.find_element(By.CSS_SELECTOR, row_status).text == "completed", "the listed batch done")
+    assert browser.execute_script("return window.__loadedOnce === true;")
     rows = {row.get_attribute("data-batch") for row in browser.find_elements(By.CSS_SELECTOR, "tr[data-batch]")}
-    assert {batch.id, doomed.id} <= rows
+    assert {batch.id, doomed.id, listed.id} <= rows
+    # Filtering by status keeps only the cancelled one.
     browser.save_screenshot(str(screenshots / "batches.png"))
     browser.find_element(By.TAG_NAME, "body").send_keys(Keys.TAB)  # the keyboard's first stop skips the menu
     assert browser.switch_to.active_element.text == "Skip to content"
