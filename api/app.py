@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import batches, files, models, rag, schedules, webhooks
 from api.auth import KeyCache
+from api.console import install_console
 from api.deps import reject_unknown_query_parameters
 from api.errors import install_error_handlers
 from api.observability import install_observability
@@ -69,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(webhooks.router)
     app.include_router(schedules.router)
     app.include_router(rag.router)
+    install_console(app, redis, settings.redis_prefix)
     install_observability(app, settings)
     install_openapi(app)
     return app

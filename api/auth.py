@@ -60,7 +60,10 @@ class KeyCache:
         return self._listening
 
     async def project_for(self, secret: str) -> str | None:
-        key_hash = hash_key(secret)
+        return await self.project_for_hash(hash_key(secret))
+
+    async def project_for_hash(self, key_hash: str) -> str | None:
+        """The project of the key with this hash (what a console session keeps instead of the key itself)."""
         now = time.monotonic()
         cached = self._entries.get(key_hash)
         if cached is not None and cached[1] > now:

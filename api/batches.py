@@ -12,8 +12,10 @@ from api.creation import IdempotencyKeyHeader, create_once, start_validation
 from api.deps import ReadEngineDep, SettingsDep, StopFlagsDep, WriteSessionsDep
 from api.schemas import BatchObject, CreateBatch, ListPage, answer
 from jobs import batches, enqueue
+from jobs.db import SessionFactory
+from jobs.models import Batch
 from jobs.pagination import MAX_PAGE_SIZE
-from jobs.stop_flags import StopReason
+from jobs.stop_flags import StopFlags, StopReason
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -70,9 +72,17 @@ def list_batches(
 def cancel_batch(
     batch_id: str, sessions: WriteSessionsDep, stop_flags: StopFlagsDep, project_id: ProjectDep
 ) -> BatchObject:
+    return BatchObject.of(cancel_job(sessions, stop_flags, project_id, batch_id))
+
+
+def cancel_job(
+    sessions: SessionFactory, stop_flags: StopFlags, project_id: str, job_id: str, *, rag_job: bool = False
+) -> Batch:
+    """Cancel a batch or RAG job: what /v1/batches, /v1/rag/jobs and the console's cancel button do."""
     with sessions.begin() as session:
-        batch, finalize_now = batches.request_cancel(session, project_id, batch_id)
+        job, finalize_now = batches.request_cancel(session, project_id, job_id, rag_job=rag_job)
     if finalize_now:
-        stop_flags.raise_flag(batch.id, StopReason.cancelled)  # running chunks abort their requests on seeing it
-        enqueue.finalize(batch.id)
-    return BatchObject.of(batch)
+        # Running chunks abort their requests (a RAG job's stop between documents) on seeing it.
+        stop_flags.raise_flag(job.id, StopReason.cancelled)
+        enqueue.finalize(job.id)
+    return job

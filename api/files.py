@@ -197,6 +197,11 @@ def retrieve_file(file_id: str, sessions: ReadSessionsDep, project_id: ProjectDe
     },
 )
 def download_file(file_id: str, sessions: ReadSessionsDep, store: StoreDep, project_id: ProjectDep) -> StreamingResponse:
+    return file_content(sessions, store, project_id, file_id)
+
+
+def file_content(sessions: SessionFactory, store: ObjectStore, project_id: str, file_id: str) -> StreamingResponse:
+    """The file's bytes streamed from S3, as an attachment: the API's download and the console's."""
     with sessions() as session:
         row = files.get_file(session, project_id, file_id)
     return StreamingResponse(

@@ -7,13 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from api.auth import ProjectDep
+from api.batches import cancel_job
 from api.creation import start_validation
 from api.deps import ReadEngineDep, SettingsDep, StopFlagsDep, StoreDep, WriteSessionsDep
 from api.schemas import CreateRagJob, ListPage, RagJobObject, answer
-from jobs import batches, enqueue
+from jobs import batches
 from jobs.pagination import MAX_PAGE_SIZE
 from jobs.rag import jobs as rag_jobs
-from jobs.stop_flags import StopReason
 
 router = APIRouter(prefix="/v1/rag/jobs", tags=["rag"])
 
@@ -53,9 +53,4 @@ def list_rag_jobs(
 def cancel_rag_job(
     job_id: str, sessions: WriteSessionsDep, stop_flags: StopFlagsDep, project_id: ProjectDep
 ) -> RagJobObject:
-    with sessions.begin() as session:
-        job, finalize_now = batches.request_cancel(session, project_id, job_id, rag_job=True)
-    if finalize_now:
-        stop_flags.raise_flag(job.id, StopReason.cancelled)  # running chunks stop between documents on seeing it
-        enqueue.finalize(job.id)
-    return RagJobObject.of(job)
+    return RagJobObject.of(cancel_job(sessions, stop_flags, project_id, job_id, rag_job=True))

@@ -179,9 +179,17 @@ def _no_such_batch(batch_id: str, rag_job: bool) -> ServiceError:
 
 
 def list_batches(
-    reader: Session | Connection, project_id: str, *, after: str | None, limit: int, rag_job: bool = False
+    reader: Session | Connection,
+    project_id: str,
+    *,
+    after: str | None,
+    limit: int,
+    rag_job: bool = False,
+    status: BatchStatus | None = None,
 ) -> Page[Row[Any]]:
-    return paginate(reader, Batch, project_id, after=after, limit=limit, filters=[_of_kind(rag_job)])
+    """status: only the batches in that status (the console's filter); None: all."""
+    filters = [_of_kind(rag_job)] + ([] if status is None else [Batch.status == status])
+    return paginate(reader, Batch, project_id, after=after, limit=limit, filters=filters)
 
 
 def request_cancel(session: Session, project_id: str, batch_id: str, *, rag_job: bool = False) -> tuple[Batch, bool]:

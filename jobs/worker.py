@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 
 from redis import Redis
 
@@ -40,7 +41,8 @@ from jobs.settings import Settings
 from jobs.stop_flags import StopFlags
 from jobs.storage import ObjectStore
 from jobs.tasks import register_tasks
-from jobs.telemetry.worker_metrics import start_worker_telemetry
+from jobs.telemetry.worker_metrics import ENGINE_STATS_TIMEOUT_SECONDS, start_worker_telemetry
+from jobs.telemetry.worker_samples import SampleRecorder
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +139,20 @@ def run_worker(
     # Only now: its batches can be validated here. Re-announced while it lives; it lapses once the worker is gone.
     heartbeat = pipeline.models.registry.keep_announcing(pipeline.models.served)
     start_worker_telemetry(settings, loop)
+    samples = SampleRecorder(
+        Redis.from_url(settings.redis_url),
+        settings.redis_prefix,
+        node_name or f"{socket.gethostname()}:{os.getpid()}",
+        [model.id for model in pipeline.models.served],
+        lambda: loop.stats(timeout=ENGINE_STATS_TIMEOUT_SECONDS),
+    )
+    samples.start()
     try:
         return consume(
             loop, settings, queues or [CONTROL_QUEUE, UNROUTED_QUEUE, *pipeline.models.queues()], loglevel, node_name
         )
     finally:
+        samples.stop()
         heartbeat.stop()
 
 
