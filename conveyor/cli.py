@@ -16,9 +16,12 @@ Handler = Callable[[argparse.Namespace], int]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="OpenAI-compatible batch inference.")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    arguments = sys.argv[1:] if argv is None else argv
     _add_run_command(subcommands)
     _add_up_command(subcommands)
-    _add_bench_command(subcommands)
+    # bench's options live in bench/, whose modules import torch and the engine (seconds on a busy machine): they
+    # are read only when the command line names `bench`, so every other command and `--help` start at once.
+    _add_bench_command(subcommands, with_options=arguments[:1] == ["bench"])
     _add_api_command(subcommands)
     _add_worker_command(subcommands)
     _add_beat_command(subcommands)
@@ -154,15 +157,20 @@ def _up(args: argparse.Namespace) -> int:
     return run_up(UpOptions(data_dir=args.data_dir or default_data_dir(), api_host=args.host, api_port=args.port))
 
 
-def _add_bench_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_bench_command(
+    subcommands: argparse._SubParsersAction[argparse.ArgumentParser], *, with_options: bool
+) -> None:
+    summary = (
+        "offline throughput: conveyor vs Hugging Face static-batch generate on the same requests; "
+        "`bench report`: the continuous-batching report with plots"
+    )
+    if not with_options:
+        subcommands.add_parser("bench", help=summary)
+        return
     from bench import report, throughput
 
     bench = subcommands.add_parser(
-        "bench",
-        help="offline throughput: conveyor vs Hugging Face static-batch generate on the same requests; "
-        "`bench report`: the continuous-batching report with plots",
-        description=throughput.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "bench", help=summary, description=throughput.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     throughput.add_arguments(bench)
     bench.set_defaults(handler=_bench)
