@@ -33,6 +33,7 @@ from conveyor.worker_groups import device_groups
 from jobs import db
 from jobs.keys import CreatedKey, create_key
 from jobs.models import ApiKey
+from jobs.schedules.definitions import inbox_uri
 from jobs.settings import Settings, replace
 from jobs.telemetry.service_metrics import process_restarts_key
 
@@ -324,9 +325,11 @@ def _print_banner(settings: Settings, data_dir: Path, environ: Mapping[str, str]
         f"  logs        {data_dir / 'logs'}",
     ]
     if first_key is not None:
-        lines.append(
-            f'API key of project "{first_key.project_name}" (shown only now; only its hash is stored): {first_key.secret}'
-        )
+        inbox = inbox_uri(settings.s3, first_key.project_id, "")
+        lines += [
+            f'API key of project "{first_key.project_name}" (shown only now; only its hash is stored): {first_key.secret}',
+            f"  project id {first_key.project_id}; its inbox (what an input_prefix reads): {inbox}",
+        ]
     lines += [
         f"More keys:  CONVEYOR_DATABASE_URL='{settings.database_url}' conveyor keys create --project NAME",
         "Ctrl-C stops everything.",
