@@ -16,13 +16,28 @@ _SHOWN_CHARS = 300  # an error line longer than this (a huge repr) is cut on the
 
 
 def is_error_line(line: str) -> bool:
-    if line.startswith("{"):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            return False
-        return isinstance(record, dict) and record.get("level") in ("ERROR", "CRITICAL")
+    record = _json_record(line)
+    if record is not None:
+        return record.get("level") in ("ERROR", "CRITICAL")
     return _TEXT_ERROR.match(line) is not None
+
+
+def readable(line: str) -> str:
+    """A JSON record as `LEVEL logger: message` (a console shows that better than the whole object); text as is."""
+    record = _json_record(line)
+    if record is None or "message" not in record:
+        return _cut(line)
+    return _cut(f"{record.get('level', '')} {record.get('logger', '')}: {record['message']}")
+
+
+def _json_record(line: str) -> dict[str, object] | None:
+    if not line.startswith("{"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 @dataclass
@@ -51,8 +66,8 @@ class ChildLog:
         *complete, self._partial = (self._partial + written).split(b"\n")
         lines = [raw.decode(errors="replace").rstrip() for raw in complete]
         if any(lines):
-            self.last_line = next(line for line in reversed(lines) if line)
-        return [f"{self.name}: {_cut(line)} (see {self.path})" for line in lines if is_error_line(line)]
+            self.last_line = readable(next(line for line in reversed(lines) if line))
+        return [f"{self.name}: {readable(line)} (see {self.path})" for line in lines if is_error_line(line)]
 
 
 def _cut(line: str) -> str:
