@@ -18,12 +18,9 @@ log = logging.getLogger("conveyor")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="OpenAI-compatible batch inference.")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    arguments = sys.argv[1:] if argv is None else argv
     _add_run_command(subcommands)
     _add_up_command(subcommands)
-    # bench's options live in bench/, whose modules import torch and the engine (seconds on a busy machine): they
-    # are read only when the command line names `bench`, so every other command and `--help` start at once.
-    _add_bench_command(subcommands, with_options=arguments[:1] == ["bench"])
+    _add_bench_command(subcommands)
     _add_api_command(subcommands)
     _add_worker_command(subcommands)
     _add_beat_command(subcommands)
@@ -172,31 +169,27 @@ def _up(args: argparse.Namespace) -> int:
     return run_up(UpOptions(data_dir=args.data_dir or default_data_dir(), api_host=args.host, api_port=args.port))
 
 
-def _add_bench_command(
-    subcommands: argparse._SubParsersAction[argparse.ArgumentParser], *, with_options: bool
-) -> None:
-    summary = (
-        "offline throughput: conveyor vs Hugging Face static-batch generate on the same requests; "
-        "`bench report`: the continuous-batching report with plots"
-    )
-    if not with_options:
-        subcommands.add_parser("bench", help=summary)
-        return
-    from bench import report, throughput
+def _add_bench_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # bench.options, not bench.throughput or bench.report: those import torch and the engine, which only a run needs.
+    from bench.options import add_report_arguments, add_throughput_arguments, module_docstring
 
     bench = subcommands.add_parser(
-        "bench", help=summary, description=throughput.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        "bench",
+        help="offline throughput: conveyor vs Hugging Face static-batch generate on the same requests; "
+        "`bench report`: the continuous-batching report with plots",
+        description=module_docstring("bench.throughput"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    throughput.add_arguments(bench)
+    add_throughput_arguments(bench)
     bench.set_defaults(handler=_bench)
     reports = bench.add_subparsers(dest="bench_command", metavar="{report}")
     report_parser = reports.add_parser(
         "report",
         help="static vs continuous batching vs HF, arrival rates, chunk sizes, batch-job scheduling: report.md + plots",
-        description=report.__doc__,
+        description=module_docstring("bench.report"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    report.add_arguments(report_parser)
+    add_report_arguments(report_parser)
     report_parser.set_defaults(handler=_bench_report)
 
 

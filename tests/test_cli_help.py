@@ -21,7 +21,8 @@ print(",".join(name for name in heavy if name in sys.modules), file=sys.stderr)
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["run"], ["up"], ["api"], ["worker"], ["beat"], ["db"], ["db", "upgrade"], ["keys"]]
+    "command",
+    [[], ["run"], ["up"], ["bench"], ["bench", "report"], ["api"], ["worker"], ["beat"], ["db"], ["db", "upgrade"], ["keys"]],
 )
 def test_help_imports_no_heavy_module(command: list[str]) -> None:
     finished = subprocess.run(
@@ -29,3 +30,12 @@ def test_help_imports_no_heavy_module(command: list[str]) -> None:
     )
     assert "usage: conveyor" in finished.stdout
     assert finished.stderr.strip() == "", f"--help imported {finished.stderr}"
+
+
+def test_bench_options_name_the_report_sizes_and_clocks_that_exist() -> None:
+    """bench.options keeps the choices torch-free; the modules that run them hold what they mean."""
+    from bench import report, scheduling_runs
+    from bench.options import CLOCKS, REPORT_SIZES
+
+    assert set(REPORT_SIZES) == set(report.SIZES)
+    assert set(CLOCKS) == set(scheduling_runs.CLOCKS)
