@@ -25,19 +25,30 @@ def progress_mode(quiet: bool) -> ProgressMode:
 
 def show_progress_logs(mode: ProgressMode) -> None:
     """Send the watched loggers' INFO records to stderr as plain lines; with `none`, only their warnings and errors."""
-    handler = _ProgressLogHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     for name in _WATCHED_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(logging.WARNING if mode == "none" else logging.INFO)
-        for earlier in [each for each in logger.handlers if isinstance(each, _ProgressLogHandler)]:
+        for earlier in [each for each in logger.handlers if isinstance(each, _StderrHandler)]:
             logger.removeHandler(earlier)  # a second run in one process (tests) writes each line once
         logger.addHandler(handler)
-        logger.propagate = False  # one line per record, whatever the root logger does
 
 
-class _ProgressLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    pass
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever sys.stderr is when a record comes, as logging's last-resort handler does: a stream that was
+    replaced since (a test's capture) is not written to after it closed."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
 
 
 def request_progress(mode: ProgressMode) -> bool | type[tqdm]:
