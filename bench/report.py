@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from bench.common import markdown_table, run_cli
+from bench.options import add_report_arguments
 from bench.scheduling_runs import (
-    CLOCKS,
     SPREADS,
     Measured,
     all_at_once,
@@ -50,7 +50,7 @@ from bench.throughput import BenchRequest, run_hf_static
 from engine import LLM
 from engine.config import EngineConfig
 from engine.dtypes import resolve_dtype
-from engine.model_registry import DEFAULT_MODEL, resolve_model
+from engine.model_registry import resolve_model
 
 
 @dataclass(frozen=True)
@@ -408,21 +408,6 @@ def make_plots(out: Path, runs: list[Measured]) -> None:
     plot_over_time(out / "over_time.png", timeline)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, required=True, help="folder for report.md, the plots and the CSVs")
-    parser.add_argument("--size", choices=sorted(SIZES), default="default", help="tiny: a smoke run; small: a few minutes; gpu: for a GPU")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice, the core count)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--clock", choices=sorted(CLOCKS), default="wall",
-        help="wall: wall time; cpu: this process's CPU time, single-threaded (sets --threads 1), idle gaps "
-        "skipped: on a shared machine, the time on one quiet core",
-    )
-
-
 def run(args: argparse.Namespace) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("the report's plots need matplotlib: pip install matplotlib (it is in the test extra)")
@@ -478,7 +463,7 @@ def describe_machine(device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(__doc__, add_arguments, run, argv)
+    run_cli(__doc__, add_report_arguments, run, argv)
 
 
 if __name__ == "__main__":

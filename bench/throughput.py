@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from bench.common import run_cli
+from bench.options import add_throughput_arguments
 from bench.step_profile import StepProfile, matmul_peak_flops, useful_flops
 from engine import LLM, SamplingParams
 from engine.dtypes import resolve_dtype
-from engine.model_registry import DEFAULT_MODEL, DUMMY_SHAPES, resolve_model
+from engine.model_registry import DUMMY_SHAPES, resolve_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -178,25 +179,7 @@ def dummy_shape_folder(name: str, small: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(__doc__, add_arguments, run, argv)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-batch-size", type=int, default=64, help="requests per HF static batch")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--skip-hf", action="store_true", help="only run conveyor")
-    parser.add_argument("--small", action="store_true", help="a named dummy shape cut to a few narrow layers")
-    parser.add_argument(
-        "--skip-profile", action="store_true", help="no second, profiled conveyor pass (the per-step split; CPU only)"
-    )
+    run_cli(__doc__, add_throughput_arguments, run, argv)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from pathlib import Path
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 
 Handler = Callable[[argparse.Namespace], int]
+log = logging.getLogger("conveyor")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +68,10 @@ def _add_run_command(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
         metavar="N",
         help="shard the model over N processes (GPUs 0..N-1 with --device cuda, or N CPU processes); default 1",
     )
+    run.add_argument(
+        "-q", "--quiet", action="store_true",
+        help="no progress (a bar on a terminal, a line every few seconds otherwise) and no summary; errors only",
+    )
     run.set_defaults(handler=_run)
 
 
@@ -80,6 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     if output_path.resolve() == input_path.resolve():
         return _fail("the output file must differ from the input file")
 
+    from conveyor.progress import progress_mode, request_progress, show_progress_logs
     from conveyor.run_file import run_batch_file
     from engine import LLM, Embedder
     from engine.model_registry import resolve_embedding_model
@@ -102,6 +109,12 @@ def _run(args: argparse.Namespace) -> int:
         )
         if value is not None
     }
+    mode = progress_mode(args.quiet)
+    show_progress_logs(mode)
+    log.info(
+        "conveyor run: loading %s (the first run on a machine converts the model and builds the CPU kernels, one-time "
+        "steps of minutes; later runs find both cached)", args.model,
+    )
     try:
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **engine_options)
     except (ValueError, OSError) as failure:
@@ -112,13 +125,15 @@ def _run(args: argparse.Namespace) -> int:
             input_path,
             output_path,
             llm,
-            progress=sys.stderr.isatty(),
+            progress=request_progress(mode),
             models=ModelNames(process_models([llm.model_name], args.embedding_model), aliases),
             make_embedder=lambda: Embedder(args.embedding_model, dtype=args.dtype, device=args.device),
         )
     finally:
         llm.engine.close()
 
+    if args.quiet:
+        return 0
     failures = ", ".join(f"{count} {code}" for code, count in sorted(summary.failures_by_code.items()))
     print(
         f"conveyor run: {summary.total} requests, {summary.succeeded} succeeded, {summary.failed} failed"
@@ -155,25 +170,26 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _add_bench_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from bench import report, throughput
+    # bench.options, not bench.throughput or bench.report: those import torch and the engine, which only a run needs.
+    from bench.options import add_report_arguments, add_throughput_arguments, module_docstring
 
     bench = subcommands.add_parser(
         "bench",
         help="offline throughput: conveyor vs Hugging Face static-batch generate on the same requests; "
         "`bench report`: the continuous-batching report with plots",
-        description=throughput.__doc__,
+        description=module_docstring("bench.throughput"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    throughput.add_arguments(bench)
+    add_throughput_arguments(bench)
     bench.set_defaults(handler=_bench)
     reports = bench.add_subparsers(dest="bench_command", metavar="{report}")
     report_parser = reports.add_parser(
         "report",
         help="static vs continuous batching vs HF, arrival rates, chunk sizes, batch-job scheduling: report.md + plots",
-        description=report.__doc__,
+        description=module_docstring("bench.report"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    report.add_arguments(report_parser)
+    add_report_arguments(report_parser)
     report_parser.set_defaults(handler=_bench_report)
 
 

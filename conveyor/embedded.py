@@ -43,19 +43,26 @@ _PG_CTL_TIMEOUT_S = 60
 _PG_CTL_NOT_RUNNING = 3  # `pg_ctl status`: no server running in the data directory
 
 
-def stable_port(data_dir: Path, server: str) -> int:
-    """The port saved for `server` in the data directory while it is still free, else a free one, saved for next time."""
+def stable_port(data_dir: Path, server: str, span: int = 1) -> int:
+    """The port saved for `server` in the data directory while it is still free, else a free one, saved for next time.
+    `span`: the ports from the one returned up to `span - 1` above it are all free (one per worker of a group)."""
     path = data_dir / PORTS_FILE
     try:
         ports: dict[str, int] = json.loads(path.read_text())
     except (OSError, ValueError):
         ports = {}
     saved = ports.get(server)
-    if isinstance(saved, int) and _port_is_free(saved):
+    if isinstance(saved, int) and _ports_are_free(saved, span):
         return saved
-    ports[server] = free_port()
+    while not _ports_are_free(candidate := free_port(), span):
+        pass  # the next free port has a taken neighbour: draw another
+    ports[server] = candidate
     path.write_text(json.dumps(ports, indent=2) + "\n")
-    return ports[server]
+    return candidate
+
+
+def _ports_are_free(first: int, count: int) -> bool:
+    return first + count <= 65536 and all(_port_is_free(port) for port in range(first, first + count))
 
 
 def _port_is_free(port: int) -> bool:

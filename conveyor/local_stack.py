@@ -41,12 +41,17 @@ class ManagedProcess:
             argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
         )
 
-    def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> None:
-        """Return once `ready()`. If the process exits, the time runs out or the wait is interrupted (Ctrl-C during
-        a start), the process is stopped before the error propagates: the caller never got a handle to stop it."""
+    def wait_until(
+        self, ready: Callable[[], bool], timeout_s: float, while_waiting: Callable[[], None] | None = None
+    ) -> None:
+        """Return once `ready()`, calling `while_waiting()` (if given) between looks. If the process exits, the time
+        runs out or the wait is interrupted (Ctrl-C during a start), the process is stopped before the error
+        propagates: the caller never got a handle to stop it."""
         deadline = time.monotonic() + timeout_s
         try:
             while not ready():
+                if while_waiting is not None:
+                    while_waiting()
                 if self.process.poll() is not None:
                     raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
                 if time.monotonic() > deadline:
@@ -88,7 +93,12 @@ def service_env(settings: Settings) -> dict[str, str]:
 
 
 def start_api(
-    settings: Settings, log_path: Path, timeout_s: float = 60.0, workers: int = 1, checkout: Path | None = None
+    settings: Settings,
+    log_path: Path,
+    timeout_s: float = 60.0,
+    workers: int = 1,
+    checkout: Path | None = None,
+    while_waiting: Callable[[], None] | None = None,
 ) -> ManagedProcess:
     """`conveyor api` on settings.api_host:api_port with `workers` uvicorn processes; returns once it answers HTTP.
     `checkout`: run the code of another checkout of conveyor (run from its folder, whose packages `python -m` finds
@@ -97,22 +107,31 @@ def start_api(
     argv += ["--workers", str(workers)]
     api = ManagedProcess("conveyor api", argv, service_env(settings), log_path, cwd=checkout)
     url = f"http://{settings.api_host}:{settings.api_port}/openapi.json"
-    api.wait_until(lambda: _answers(url), timeout_s)
+    api.wait_until(lambda: _answers(url), timeout_s, while_waiting)
     return api
 
 
-def start_worker(settings: Settings, log_path: Path, timeout_s: float = 180.0) -> ManagedProcess:
+def start_worker(
+    settings: Settings, log_path: Path, timeout_s: float = 180.0, while_waiting: Callable[[], None] | None = None
+) -> ManagedProcess:
     """`conveyor worker`; returns once Celery reports it ready (the engine is loaded before that)."""
-    return _start_logging_process("worker", settings, log_path, b" ready.", timeout_s)
+    return _start_logging_process("worker", settings, log_path, b" ready.", timeout_s, while_waiting)
 
 
-def start_beat(settings: Settings, log_path: Path, timeout_s: float = 60.0) -> ManagedProcess:
+def start_beat(
+    settings: Settings, log_path: Path, timeout_s: float = 60.0, while_waiting: Callable[[], None] | None = None
+) -> ManagedProcess:
     """`conveyor beat`; returns once it has started sending the periodic sweeps."""
-    return _start_logging_process("beat", settings, log_path, b"beat: Starting", timeout_s)
+    return _start_logging_process("beat", settings, log_path, b"beat: Starting", timeout_s, while_waiting)
 
 
 def _start_logging_process(
-    command: str, settings: Settings, log_path: Path, ready_line: bytes, timeout_s: float
+    command: str,
+    settings: Settings,
+    log_path: Path,
+    ready_line: bytes,
+    timeout_s: float,
+    while_waiting: Callable[[], None] | None,
 ) -> ManagedProcess:
     log_start = log_path.stat().st_size if log_path.exists() else 0
     process = ManagedProcess(f"conveyor {command}", [sys.executable, "-m", "conveyor", command], service_env(settings), log_path)
@@ -122,7 +141,7 @@ def _start_logging_process(
             log.seek(log_start)
             return ready_line in log.read()
 
-    process.wait_until(ready, timeout_s)
+    process.wait_until(ready, timeout_s, while_waiting)
     return process
 
 

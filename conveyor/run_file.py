@@ -17,6 +17,8 @@ from jobs.served_models import ModelNames
 from jobs.settings import DEFAULT_MAX_LINE_BYTES as MAX_LINE_BYTES
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from engine import LLM
 
 READ_BLOCK_BYTES = 1024 * 1024
@@ -41,7 +43,7 @@ def run_batch_file(
     output_path: Path,
     llm: LLM,
     *,
-    progress: bool,
+    progress: bool | Callable[..., tqdm],
     models: ModelNames,
     make_embedder: Callable[[], TextEmbedder] = _bundled_embedder,
 ) -> RunSummary:
@@ -50,7 +52,7 @@ def run_batch_file(
     The output keeps input order and holds successes and error records alike, so a single results file
     accounts for every request. Blank lines are skipped: they carry no request to answer. Embedding lines
     are embedded together, in one call of the model `make_embedder()` builds, only if the file has some. A line's
-    `model` must be one of `models` (else its line fails with model_not_found).
+    `model` must be one of `models` (else its line fails with model_not_found). `progress`: `LLM.generate`'s `use_tqdm`.
     """
     validator = BatchLineValidator(
         llm.tokenizer, llm.max_model_len, models=models, limits=llm.engine.admission_limits

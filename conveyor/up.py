@@ -24,19 +24,23 @@ from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy import select
 
+from conveyor.child_logs import ChildLog
 from conveyor.embedded import S3_CREDENTIALS_FILE, EmbeddedPostgres, EmbeddedRedis, s3_credentials, stable_port
 from conveyor.local_stack import ManagedProcess, start_api, start_beat, start_worker
 from conveyor.seaweedfs import SeaweedFS
 from conveyor.supervisor import Backoff, Child, Supervisor
+from conveyor.worker_groups import device_groups
 from jobs import db
 from jobs.keys import CreatedKey, create_key
 from jobs.models import ApiKey
+from jobs.schedules.definitions import inbox_uri
 from jobs.settings import Settings, replace
 from jobs.telemetry.service_metrics import process_restarts_key
 
 DATABASE_NAME = "conveyor"
 FIRST_PROJECT = "default"
 WORKER_START_TIMEOUT_S = 900.0  # the first start on a machine converts the model and builds the CPU kernels
+WAITING_REPORT_INTERVAL_S = 15.0  # while a start is awaited, how often `up` says it is still waiting
 _SUPERVISE_INTERVAL_S = 1.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -65,23 +69,28 @@ def run_up(options: UpOptions) -> int:
         settings, api_host=options.api_host or settings.api_host, api_port=options.api_port or settings.api_port
     )
     children: list[Child] = []
+    logs: list[ChildLog] = []
+    exit_code = 0
     with _signals_stop(), ExitStack() as started:
         try:
             settings = _start_backing_services(settings, data_dir, environ, started, children)
+            _announce("running the database migrations")
             db.upgrade(settings.database_url)
-            _start_service_processes(settings, data_dir / "logs", started, children)
+            settings = _with_worker_metrics_ports(settings, data_dir, environ)
+            _start_service_processes(settings, data_dir / "logs", started, children, logs)
             # Created once everything runs, so the banner that shows it is sure to be printed.
             first_key = _create_first_key(settings.database_url)
             _print_banner(settings, data_dir, environ, first_key)
-            _supervise(Supervisor(children, Backoff(), _announce, _restart_counter(settings)))
+            _supervise(Supervisor(children, Backoff(), _announce, _restart_counter(settings)), logs)
         except StopRequested:
             _announce("stopping beat, worker, API, then the embedded servers")
         except Exception as failure:
             _announce(f"{failure}\nconveyor up: stopping everything")
-            return 1
+            exit_code = 1
         finally:
             _ignore_stop_signals()  # while the ExitStack stops what started (see _signals_stop)
-    return 0
+    _announce("stopped")
+    return exit_code
 
 
 @contextmanager
@@ -141,18 +150,79 @@ def _start_backing_services(
     return settings
 
 
-def _start_service_processes(settings: Settings, logs: Path, started: ExitStack, children: list[Child]) -> None:
+def _with_worker_metrics_ports(settings: Settings, data_dir: Path, environ: Mapping[str, str]) -> Settings:
+    """A free port (saved in the data directory, as the servers' are) for the worker's metrics, one per worker of
+    a device group, unless CONVEYOR_WORKER_METRICS_PORT says which (0: none): the default port may be another
+    program's, and a worker that cannot listen runs without metrics."""
+    if "CONVEYOR_WORKER_METRICS_PORT" in environ:
+        return settings
+    return replace(settings, worker_metrics_port=stable_port(data_dir, "worker-metrics", _worker_count(settings)))
+
+
+def _worker_count(settings: Settings) -> int:
+    """The engine processes `conveyor worker` runs: one per device group, one when no devices are set."""
+    if not settings.worker_devices:
+        return 1
+    return len(device_groups(settings.worker_devices, settings.engine_config.tensor_parallel_size))
+
+
+def _start_service_processes(
+    settings: Settings, logs: Path, started: ExitStack, children: list[Child], child_logs: list[ChildLog]
+) -> None:
     logs.mkdir(exist_ok=True)
-    starters: list[tuple[str, Callable[[], ManagedProcess]]] = [
-        ("API", lambda: start_api(settings, logs / "api.log")),
-        ("worker (loads the model)", lambda: start_worker(settings, logs / "worker.log", WORKER_START_TIMEOUT_S)),
-        ("beat", lambda: start_beat(settings, logs / "beat.log")),
+    api, worker, beat = logs / "api.log", logs / "worker.log", logs / "beat.log"
+    # (the log's name on the console, what the start is called, what it waits for, the log, the start)
+    starters: list[tuple[str, str, str, Path, Callable[[Callable[[], None]], ManagedProcess]]] = [
+        (
+            "API", f"the API on port {settings.api_port}", "it answers HTTP", api,
+            lambda waiting: start_api(settings, api, while_waiting=waiting),
+        ),
+        (
+            "worker", "the worker", "it has loaded the model (a first start on a machine also converts it and builds "
+            "the CPU kernels: minutes) and reports ready", worker,
+            lambda waiting: start_worker(settings, worker, WORKER_START_TIMEOUT_S, while_waiting=waiting),
+        ),
+        (
+            "beat", "beat", "it sends its first sweeps", beat,
+            lambda waiting: start_beat(settings, beat, while_waiting=waiting),
+        ),
     ]
-    for name, start in starters:
-        _announce(f"starting the {name}")
-        slot = _ProcessSlot(start())
+    for log_name, name, awaited, log_path, start in starters:
+        _announce(f"starting {name}; waiting until {awaited} (log: {log_path})")
+        child_log = ChildLog.from_now(log_name, log_path)
+        child_logs.append(child_log)
+        began = time.monotonic()
+        start_reporting = _reporting_start(start, name, child_log)
+        slot = _ProcessSlot(start_reporting())
+        _announce(f"{name} is ready ({time.monotonic() - began:.0f} s)")
         started.callback(slot.stop)
-        children.append(Child(slot.current.name, slot.running, _stop_then(slot.stop, slot.replace(start)), slot.current.log_path))
+        restart = _stop_then(slot.stop, slot.replace(start_reporting))
+        children.append(Child(slot.current.name, slot.running, restart, slot.current.log_path))
+
+
+def _reporting_start(
+    start: Callable[[Callable[[], None]], ManagedProcess], name: str, child_log: ChildLog
+) -> Callable[[], ManagedProcess]:
+    """A start (the first, and each restart) that reports on the console while it waits."""
+    return lambda: start(_waiting_reporter(name, child_log))
+
+
+def _waiting_reporter(name: str, child_log: ChildLog) -> Callable[[], None]:
+    """Called while a start is awaited: repeats the child's errors at once, and every WAITING_REPORT_INTERVAL_S says
+    how long it has been waiting, with the log's latest line as a sign of what the child is doing."""
+    began = last_report = time.monotonic()
+
+    def report() -> None:
+        nonlocal last_report
+        for error in child_log.new_errors():
+            _announce(error)
+        now = time.monotonic()
+        if now - last_report >= WAITING_REPORT_INTERVAL_S:
+            last_report = now
+            latest = f"; its log's latest line: {child_log.last_line}" if child_log.last_line else ""
+            _announce(f"still waiting for {name} ({now - began:.0f} s){latest}")
+
+    return report
 
 
 @dataclass
@@ -213,11 +283,14 @@ def _create_first_key(database_url: str) -> CreatedKey | None:
         engine.dispose()
 
 
-def _supervise(supervisor: Supervisor) -> None:
-    """Return never: wait for a signal (StopRequested), restarting children that die; raise ChildKeepsFailing when
-    one keeps dying."""
+def _supervise(supervisor: Supervisor, child_logs: list[ChildLog]) -> None:
+    """Return never: wait for a signal (StopRequested), restarting children that die and repeating the errors they
+    log; raise ChildKeepsFailing when one keeps dying."""
     while True:
         supervisor.check()
+        for child_log in child_logs:
+            for error in child_log.new_errors():
+                _announce(error)
         time.sleep(_SUPERVISE_INTERVAL_S)
 
 
@@ -232,9 +305,19 @@ def _print_banner(settings: Settings, data_dir: Path, environ: Mapping[str, str]
         return f"(from {variable})" if variable in environ else f"(embedded{embedded_note})"
 
     s3_note = f"; credentials in {data_dir / S3_CREDENTIALS_FILE}"
+    worker_metrics = (
+        ", ".join(
+            f"http://{settings.worker_metrics_host}:{settings.worker_metrics_port + index}/metrics"
+            for index in range(_worker_count(settings))
+        )
+        if settings.worker_metrics_port
+        else "none (CONVEYOR_WORKER_METRICS_PORT=0)"
+    )
     lines = [
         f"conveyor is up; data in {data_dir}",
         f"  API         {api}/v1   (OpenAPI docs: {api}/docs)",
+        f"  Console     {api}/console",
+        f"  Metrics     {api}/metrics (API), {worker_metrics} (worker)",
         f"  PostgreSQL  {settings.database_url}   {origin('CONVEYOR_DATABASE_URL')}",
         f"  Redis       {settings.redis_url}   {origin('CONVEYOR_REDIS_URL')}",
         f"  S3          {settings.s3.endpoint_url or 'AWS'}, bucket {settings.s3.bucket}   "
@@ -242,9 +325,11 @@ def _print_banner(settings: Settings, data_dir: Path, environ: Mapping[str, str]
         f"  logs        {data_dir / 'logs'}",
     ]
     if first_key is not None:
-        lines.append(
-            f'API key of project "{first_key.project_name}" (shown only now; only its hash is stored): {first_key.secret}'
-        )
+        inbox = inbox_uri(settings.s3, first_key.project_id, "")
+        lines += [
+            f'API key of project "{first_key.project_name}" (shown only now; only its hash is stored): {first_key.secret}',
+            f"  project id {first_key.project_id}; its inbox (what an input_prefix reads): {inbox}",
+        ]
     lines += [
         f"More keys:  CONVEYOR_DATABASE_URL='{settings.database_url}' conveyor keys create --project NAME",
         "Ctrl-C stops everything.",

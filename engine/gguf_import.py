@@ -15,8 +15,11 @@ per-frequency divisors, turned back into transformers' `llama3` parameters, and 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +27,13 @@ import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.tokenizer import bos_eos_processor
+
+log = logging.getLogger(__name__)
 
 # Bump whenever a conversion's output changes: converted folders are cached under names carrying it.
 CONVERTER_VERSION = 2
@@ -125,6 +131,12 @@ def convert_gguf_to_hf_folder(gguf_path: Path, out_dir: Path) -> None:
             f"{gguf_path}: GGUF architecture {architecture!r} cannot be imported; supported: {sorted(_ARCHITECTURES)}"
         )
     tensors = {tensor.name: tensor for tensor in reader.tensors}
+    # Said before and after, with a bar over the tensors on a terminal: a first start converts for tens of seconds.
+    log.info(
+        "converting %s (%d tensors) into a Hugging Face folder under %s: a one-time step per file; later starts load "
+        "the converted folder", gguf_path.name, len(tensors), out_dir.parent,
+    )
+    started = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config = _hf_config(architecture, metadata, tensors)
     save_file(_hf_tensors(architecture, tensors, hf_config), str(out_dir / "model.safetensors"),
@@ -134,6 +146,7 @@ def convert_gguf_to_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     _write_json(out_dir / "generation_config.json", generation)
     _build_tokenizer(architecture, metadata).save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(architecture, metadata))
+    log.info("converted %s in %.0f s", gguf_path.name, time.monotonic() - started)
 
 
 def _read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -342,7 +355,12 @@ def _safetensors_dtype(tensor_type: gguf.GGMLQuantizationType) -> torch.dtype:
 def _hf_tensors(architecture: str, tensors: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
     converted: dict[str, torch.Tensor] = {}
     gemma = architecture in ("gemma2", "gemma3")
-    for gguf_name, tensor in tensors.items():
+    # disable=None: no bar where stderr is not a terminal (a worker's log file); none either where INFO is not shown.
+    shown = tqdm(
+        tensors.items(), desc="converting tensors", unit="tensor", file=sys.stderr,
+        disable=None if log.isEnabledFor(logging.INFO) else True,
+    )
+    for gguf_name, tensor in shown:
         if gguf_name in _ROPE_TENSORS:
             continue
         # numpy's shape is GGUF's reversed, so a matrix arrives as (out_features, in_features) like torch's Linear.

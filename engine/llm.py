@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -47,10 +47,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. `use_tqdm`: a progress bar on stderr
+        (requests done, output tokens/s, ETA), or a tqdm subclass (or factory) to show it some other way."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -94,9 +95,12 @@ class LLM:
         ]
         return self.generate(token_lists, params, use_tqdm=use_tqdm)
 
-    def _run(self, ids: list[str], texts: dict[str, str | None], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, ids: list[str], texts: dict[str, str | None], use_tqdm: bool | Callable[..., tqdm]
+    ) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm, file=sys.stderr)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(ids), desc="requests", unit="req", disable=use_tqdm is False, file=sys.stderr)
         generated = 0
         while len(done) < len(ids):
             for output in self.engine.step():
@@ -104,7 +108,9 @@ class LLM:
                     output.prompt = texts.get(output.request_id)
                     done[output.request_id] = output
                     generated += sum(len(c.token_ids) for c in output.outputs)
+                    elapsed = 0 if bar.disable else bar.format_dict["elapsed"]
+                    if elapsed > 0:
+                        bar.set_postfix_str(f"{generated / elapsed:.1f} output tok/s", refresh=False)
                     bar.update(1)
-                    bar.set_postfix(output_tokens=generated, refresh=False)
         bar.close()
         return [done[i] for i in ids]

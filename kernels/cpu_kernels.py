@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
+import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -53,9 +54,21 @@ def load_cpu_kernels() -> ModuleType | None:
     """The compiled extension, or None where it cannot be built (no compiler, no ninja)."""
     from torch.utils import cpp_extension
 
+    name = f"conveyor_cpu_kernels_{_build_digest()}"
+    # Where load() builds (TORCH_EXTENSIONS_DIR or its default, per Python and CUDA version); private, but the one
+    # place that knows the layout.
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    # Said before and after: the first build on a machine compiles for minutes in silence (torch prints nothing).
+    building = not any(build_dir.glob(f"{name}*.so"))
+    if building:
+        log.info(
+            "building the C++ CPU kernels into %s: a one-time step per source version and CPU (minutes on a "
+            "busy 2-core CPU); later starts load the build", build_dir,
+        )
+    started = time.monotonic()
     try:
-        return cpp_extension.load(
-            name=f"conveyor_cpu_kernels_{_build_digest()}",
+        kernels = cpp_extension.load(
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
@@ -63,6 +76,9 @@ def load_cpu_kernels() -> ModuleType | None:
     except Exception as error:  # any build failure means: use the torch path
         log.warning("CPU kernels unavailable, using the torch path: %s", error)
         return None
+    if building:
+        log.info("built the C++ CPU kernels in %.0f s", time.monotonic() - started)
+    return kernels
 
 
 def _build_digest() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from conveyor.cli import main
+from conveyor.progress import ProgressLines
 from engine import Embedder
 
 
@@ -40,6 +42,18 @@ def test_input_and_output_are_required(capsys: pytest.CaptureFixture[str]) -> No
         main(["run"])
     assert exited.value.code == 2
     assert "-i/--input" in capsys.readouterr().err
+
+
+def test_progress_lines_are_whole_lines_with_the_count_and_the_last_one_on_close() -> None:
+    sink = io.StringIO()
+    progress = ProgressLines(total=3, desc="requests", unit="req", file=sink)
+    for _ in range(3):
+        progress.update(1)  # within LOG_LINE_INTERVAL_S of the first line: no line of its own
+    progress.close()
+    lines = sink.getvalue().splitlines()
+    assert "\r" not in sink.getvalue()
+    assert [line.split("[")[0] for line in lines] == ["requests:   0% 0/3 ", "requests: 100% 3/3 "]
+    assert "ETA" in lines[-1]
 
 
 @pytest.mark.slow
@@ -121,7 +135,11 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
     assert errors["too-long"]["code"] == "context_length_exceeded"
     assert all(record["response"] is None for record in records if record["error"] is not None)
 
-    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    stderr = capsys.readouterr().err.strip().splitlines()  # not a terminal here: progress as whole lines
+    assert stderr[0].startswith("conveyor run: loading smollm2-135m-instruct")
+    assert "\r" not in "".join(stderr)
+    assert any(line.startswith("requests: 100% 6/6 [") and "output tok/s" in line for line in stderr)
+    summary = stderr[-1]
     assert "9 requests, 5 succeeded, 4 failed" in summary
     assert "1 invalid_json_line" in summary and str(results) in summary
 
@@ -185,7 +203,9 @@ def test_an_unknown_embedding_model_is_a_clear_error(tmp_path: Path, capsys: pyt
 
 
 @pytest.mark.slow
-def test_run_answers_responses_lines_with_objects_the_sdk_parses(tmp_path: Path) -> None:
+def test_run_answers_responses_lines_with_objects_the_sdk_parses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from openai.types.chat import ChatCompletion
     from openai.types.responses import Response
 
@@ -204,9 +224,12 @@ def test_run_answers_responses_lines_with_objects_the_sdk_parses(tmp_path: Path)
     source, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     source.write_text("\n".join(lines) + "\n")
 
-    exit_code = main(["run", "-i", str(source), "-o", str(results), "--model-alias", "gpt-4o-mini=smollm2-135m-instruct"])
+    exit_code = main(
+        ["run", "-i", str(source), "-o", str(results), "--model-alias", "gpt-4o-mini=smollm2-135m-instruct", "--quiet"]
+    )
 
     assert exit_code == 0
+    assert capsys.readouterr().err == ""  # --quiet: no progress, no summary
     by_id = {record["custom_id"]: record for record in map(json.loads, results.read_text().splitlines())}
     first = Response.model_validate(by_id["resp-text"]["response"]["body"])
     assert (first.status, first.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # type: ignore[union-attr]

@@ -90,7 +90,7 @@ def start_up(tmp_path: Path) -> Iterator[Callable[[], UpProcess]]:
     data_dir = Path(tempfile.mkdtemp(prefix="conveyor-up-")) / "data"
     api_port = free_port()
     environment = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") or k == "CONVEYOR_CACHE_DIR"}
-    environment["CONVEYOR_WORKER_METRICS_PORT"] = str(free_port())  # beside a developer's own worker
+    # No CONVEYOR_WORKER_METRICS_PORT: up picks a free port for the worker's metrics itself (the default may be taken).
     runs: list[UpProcess] = []
 
     def start() -> UpProcess:
@@ -187,11 +187,18 @@ def test_conveyor_up_runs_a_batch_stops_cleanly_and_finds_it_again_after_a_resta
     keys = KEY_PATTERN.findall(banner)
     assert len(keys) == 1, f"the first start prints one new key:\n{banner}"
     client = api_client(banner, keys[0])
+    api = str(client.base_url).removesuffix("/v1/")
+    assert f"Console     {api}/console" in banner
+    worker_metrics = re.search(rf"Metrics     {api}/metrics \(API\), (http://\S+/metrics) \(worker\)", banner)
+    assert worker_metrics is not None, banner
+    assert "starting the worker; waiting until it has loaded the model" in banner and "the worker is ready" in banner
     batch, output = run_batch(client)
     input_file = client.files.retrieve(batch.input_file_id)
+    assert "conveyor_chunk_duration_seconds_count" in httpx.get(worker_metrics.group(1)).text
 
     assert first.interrupt() == 0, first.output()
     assert first.still_running() == [], f"left running after Ctrl-C:\n{first.output()}"
+    assert first.output().rstrip().endswith("conveyor up: stopped"), first.output()
 
     second = start_up()
     banner = second.wait_until_up()

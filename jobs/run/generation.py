@@ -65,9 +65,13 @@ class GenerationKind(OpenAILinesKind):
         self, batch_id: str, model: str, submitted: list[tuple[BatchRequest, list[RequestHandle]]]
     ) -> list[BatchOutputLine]:
         """The records of the requests submitted to the engine, once all have finished or the batch was stopped."""
-        stopped = self._await_or_abort(batch_id, [handle for _, handles in submitted for handle in handles])
+        stopped, aborted = self._await_or_abort(batch_id, [handle for _, handles in submitted for handle in handles])
         records: list[BatchOutputLine] = []
         for request, handles in submitted:
+            if stopped is not None and any(handle.request_id in aborted for handle in handles):
+                if stopped == StopReason.expired:  # when cancelled, as OpenAI: only what finished is reported
+                    records.append(expired_record(request.custom_id))
+                continue
             try:
                 results = [handle.result() for handle in handles]
             except EngineFailed:  # not this line's fault: the chunk goes back to the queue whole
@@ -78,17 +82,16 @@ class GenerationKind(OpenAILinesKind):
             except Exception as failed:  # a step that failed blamed this request (engine/admission.StepFailed)
                 records.append(error_record(LineError(request.custom_id, "generation_failed", str(failed))))
                 continue
-            aborted = any(sample.finish_reason == "abort" for result in results for sample in result.outputs)
-            if stopped is not None and aborted:
-                if stopped == StopReason.expired:  # when cancelled, as OpenAI: only what finished is reported
-                    records.append(expired_record(request.custom_id))
-                continue
             records.append(response_record(request, results, model=model, tokenizer=self.engine.tokenizer))
         return records
 
-    def _await_or_abort(self, batch_id: str, handles: list[RequestHandle]) -> StopReason | None:
-        """Wait for every request; if the batch is stopped meanwhile, abort the unfinished ones in the engine
-        and return why. The aborted requests' handles then hold outputs with finish_reason 'abort'."""
+    def _await_or_abort(self, batch_id: str, handles: list[RequestHandle]) -> tuple[StopReason | None, set[str]]:
+        """Wait for every request; if the batch is stopped meanwhile, abort the unfinished ones in the engine and
+        return why, with the ids of the requests aborted.
+
+        The chunk does not wait for the aborts to be applied: the engine loop applies them between two steps, and one
+        step of many prefill tokens takes seconds on a CPU (tens on a loaded one), which a cancel must not wait for.
+        A request that finishes in that step counts as aborted all the same: the client asked for it not to run."""
         unfinished = {handle.future: handle for handle in handles}
         while unfinished:
             _, still_running = wait(unfinished, timeout=STOP_POLL_SECONDS)
@@ -96,7 +99,6 @@ class GenerationKind(OpenAILinesKind):
             if unfinished and (reason := self.stop_flags.reason(batch_id)) is not None:
                 for handle in unfinished.values():
                     self.engine.loop.abort(handle.request_id)
-                wait(unfinished)
                 log.info("batch %s %s: aborted %d requests in the engine", batch_id, reason.value, len(unfinished))
-                return reason
-        return None
+                return reason, {handle.request_id for handle in unfinished.values()}
+        return None, set()

@@ -1,5 +1,5 @@
-"""The service's state as Prometheus gauges, read at scrape time for the API's `/metrics`: batches and webhook
-deliveries by status (PostgreSQL, one query), the Celery queues' lengths and the restarts `conveyor up` made of
+"""The service's state as Prometheus gauges, read at scrape time for the API's `/metrics`: batches, RAG jobs and
+webhook deliveries by status (PostgreSQL, one query), the Celery queues' lengths and the restarts `conveyor up` made of
 the processes it supervises (Redis, one pipelined round trip).
 
 A backend that fails is left out of that scrape (and logged) rather than failing the whole scrape.
@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import String, cast, func, literal, select, union_all
 from sqlalchemy.exc import SQLAlchemyError
 
+from jobs.batches import RAG_ENDPOINT
 from jobs.db import SessionFactory
 from jobs.models import Batch, BatchStatus, DeliveryStatus, WebhookDelivery
 
@@ -50,8 +51,10 @@ class ServiceCollector(Collector):
         yield from self._redis_families()
 
     def _database_families(self) -> Iterator[Metric]:
+        rag = Batch.endpoint == RAG_ENDPOINT  # RAG jobs share the batches table, not its metric
         by_table = union_all(
-            select(literal("batches"), cast(Batch.status, String), func.count()).group_by(Batch.status),
+            select(literal("batches"), cast(Batch.status, String), func.count()).where(~rag).group_by(Batch.status),
+            select(literal("rag_jobs"), cast(Batch.status, String), func.count()).where(rag).group_by(Batch.status),
             select(literal("webhook_deliveries"), cast(WebhookDelivery.status, String), func.count()).group_by(
                 WebhookDelivery.status
             ),
@@ -64,15 +67,18 @@ class ServiceCollector(Collector):
             return
         counts = {(table, status): count for table, status, count in rows}
         # Every status is exported, zeros included, so a status's series exists before its first row.
-        batches = GaugeMetricFamily("conveyor_batches", "Batches by status", labels=["status"])
+        batches = GaugeMetricFamily("conveyor_batches", "Batches by status (RAG jobs apart)", labels=["status"])
+        rag_jobs = GaugeMetricFamily("conveyor_rag_jobs", "RAG jobs by status", labels=["status"])
         for batch_status in BatchStatus:
             batches.add_metric([batch_status.value], counts.get(("batches", batch_status.name), 0))
+            rag_jobs.add_metric([batch_status.value], counts.get(("rag_jobs", batch_status.name), 0))
         deliveries = GaugeMetricFamily(
             "conveyor_webhook_deliveries", "Webhook deliveries (an event to one endpoint) by status", labels=["status"]
         )
         for delivery_status in DeliveryStatus:
             deliveries.add_metric([delivery_status.value], counts.get(("webhook_deliveries", delivery_status.name), 0))
         yield batches
+        yield rag_jobs
         yield deliveries
 
     def _redis_families(self) -> Iterator[Metric]:
