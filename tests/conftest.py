@@ -8,7 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest_plugins = ["tests.service_fixtures", "tests.stack_fixtures"]
+# The real service's fixtures (SeaweedFS, PostgreSQL, Redis, API and worker processes) import boto3, SQLAlchemy,
+# pydantic-settings and Redis: tests/api and tests/jobs load them from their own conftest.py, so engine and
+# kernel tests collect on a machine that has none of these (a lent GPU).
+SERVICE_FIXTURES = ("tests.service_fixtures", "tests.stack_fixtures")
+
+
+def register_service_fixtures(config: pytest.Config) -> None:
+    """Registers the service fixtures as plugins, once per session however many folders ask: session-scoped
+    fixtures (one SeaweedFS, one scratch database) stay shared. Called from a folder's `pytest_configure`,
+    which pytest runs when it loads that folder's conftest.py, before collecting the folder's tests."""
+    for plugin in SERVICE_FIXTURES:
+        config.pluginmanager.import_plugin(plugin)
 
 # Triton decides between compiling and interpreting when a kernel module is imported, and engine
 # tests import kernels first: without a GPU, interpret.

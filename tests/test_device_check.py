@@ -1,0 +1,30 @@
+"""What a lent GPU machine runs works there: it has torch, triton, transformers, peft and pillow, none of the
+service's packages (tests/without_service_packages/sitecustomize.py makes this interpreter look the same)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WITHOUT_SERVICE_PACKAGES = Path(__file__).resolve().parent / "without_service_packages"
+
+
+def without_service_packages() -> dict[str, str]:
+    """The environment of a subprocess in which importing a service package fails."""
+    path = os.pathsep.join(filter(None, [str(WITHOUT_SERVICE_PACKAGES), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def test_cuda_tests_collect_without_service_packages() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+         "tests/engine", "tests/kernels"],
+        cwd=ROOT, env=without_service_packages(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " tests collected" in result.stdout and "error" not in result.stdout.lower()
+    assert "tests/engine/test_triton_engine.py::test_cuda_engine_matches_hf" in result.stdout
+    assert "[cuda-" in result.stdout  # the kernels' CUDA parametrisations
