@@ -18,13 +18,16 @@ def without_service_packages() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def test_cuda_tests_collect_without_service_packages() -> None:
+def test_cuda_tests_collect_without_service_packages_or_a_cpu_kernel_build(tmp_path: Path) -> None:
+    extensions = tmp_path / "torch_extensions"  # where torch would build the C++ CPU kernels
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider",
          "tests/engine", "tests/kernels"],
-        cwd=ROOT, env=without_service_packages(), capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env={**without_service_packages(), "TORCH_EXTENSIONS_DIR": str(extensions)},
+        capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " tests collected" in result.stdout and "error" not in result.stdout.lower()
     assert "tests/engine/test_triton_engine.py::test_cuda_engine_matches_hf" in result.stdout
     assert "[cuda-" in result.stdout  # the kernels' CUDA parametrisations
+    assert not extensions.exists()
