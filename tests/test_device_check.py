@@ -31,3 +31,33 @@ def test_cuda_tests_collect_without_service_packages_or_a_cpu_kernel_build(tmp_p
     assert "tests/engine/test_triton_engine.py::test_cuda_engine_matches_hf" in result.stdout
     assert "[cuda-" in result.stdout  # the kernels' CUDA parametrisations
     assert not extensions.exists()
+
+
+def test_a_failed_cuda_tests_objects_are_freed_before_the_next_test_sets_up(tmp_path: Path) -> None:
+    """What a failed test held (on a GPU: its engine and KV cache, in reference cycles) is freed before the next
+    test's fixtures build their engine, though pytest keeps the failure's traceback for post-mortem debugging
+    until the next test's call."""
+    (tmp_path / "test_failing.py").write_text(
+        "import weakref\n"
+        "import pytest\n"
+        "held = []\n"
+        "class KVCache:\n"
+        "    def __init__(self):\n"
+        "        self.engine = self  # a cycle: only the garbage collector frees it\n"
+        "@pytest.mark.cuda\n"
+        "def test_fails():\n"
+        "    cache = KVCache()\n"
+        "    held.append(weakref.ref(cache))\n"
+        "    assert False\n"
+        "@pytest.fixture\n"
+        "def engine():\n"
+        "    assert held[0]() is None, 'the failed test still holds its cache'\n"
+        "def test_next(engine):\n"
+        "    pass\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-p", "no:randomly",
+         "-q", "--rootdir", str(tmp_path), str(tmp_path / "test_failing.py")],
+        cwd=ROOT, env=without_service_packages(), capture_output=True, text=True, timeout=120,
+    )
+    assert "1 failed, 1 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
