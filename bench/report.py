@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import markdown_table, run_cli
+from bench.common import dtype_name, markdown_table, run_cli
 from bench.scheduling_runs import (
     CLOCKS,
     SPREADS,
@@ -412,7 +412,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for report.md, the plots and the CSVs")
     parser.add_argument("--size", choices=sorted(SIZES), default="default", help="tiny: a smoke run; small: a few minutes; gpu: for a GPU")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (the engine's default): bfloat16 where the host has fast bf16, else float32"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice, the core count)")
     parser.add_argument("--seed", type=int, default=0)
@@ -433,10 +435,12 @@ def run(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    setting = Setting(args.model, args.dtype, args.device, SIZES[args.size], args.seed, args.clock)
+    # Resolved once here: every run, and HF's, uses the dtype the header names.
+    dtype = dtype_name(resolve_dtype(args.dtype, torch.device(args.device)))
+    setting = Setting(args.model, dtype, args.device, SIZES[args.size], args.seed, args.clock)
     vocab_size = resolve_vocab_size(setting.model)
     header = (
-        f"`python -m bench.report --out {out} --size {args.size} --clock {args.clock}` — model {args.model}, {args.dtype} on {args.device} "
+        f"`python -m bench.report --out {out} --size {args.size} --clock {args.clock}` — model {args.model}, {dtype} on {args.device} "
         f"({describe_machine(args.device)}), {torch.get_num_threads()} torch threads, torch {torch.__version__}, seed {args.seed}."
     )
     print(header, flush=True)
