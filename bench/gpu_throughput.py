@@ -339,7 +339,7 @@ def bench_model(
     label = model if model in DUMMY_SHAPES else Path(model).name
     print(f"{label}: conveyor ...", flush=True)
     llm = LLM(
-        model=model, load_format="dummy", dtype=args.dtype, device=device,
+        model=model, load_format="dummy", dtype=args.dtype, device=device, kernel_backend=args.kernel_backend,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
     )
     dtype = llm.engine.dtype
@@ -612,6 +612,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--kernel-backend", choices=("auto", "torch", "triton"), default="auto",
+        help="conveyor's kernels (default auto: Triton on CUDA); triton on the CPU, under TRITON_INTERPRET=1, runs "
+        "the GPU path's kernels (bench/device_check.sh --dry-run)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
