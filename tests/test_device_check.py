@@ -3,10 +3,15 @@ service's packages (tests/without_service_packages/sitecustomize.py makes this i
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 WITHOUT_SERVICE_PACKAGES = Path(__file__).resolve().parent / "without_service_packages"
@@ -18,19 +23,41 @@ def without_service_packages() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def test_cuda_tests_collect_without_service_packages_or_a_cpu_kernel_build(tmp_path: Path) -> None:
-    extensions = tmp_path / "torch_extensions"  # where torch would build the C++ CPU kernels
+@pytest.mark.slow
+def test_dry_run_runs_every_part_and_writes_its_files(tmp_path: Path) -> None:
+    """`bench/device_check.sh --dry-run` on the CPU, as a lent GPU would run it: without the service's packages
+    and the test-only ones (so collecting the CUDA tests imports none of them), building no C++ CPU kernel."""
+    out, extensions = tmp_path / "out", tmp_path / "torch_extensions"  # where torch would build the CPU kernels
+    environment = {**without_service_packages(), "OUT": str(out), "PYTHON": sys.executable,
+                   "TORCH_EXTENSIONS_DIR": str(extensions)}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-         "tests/engine", "tests/kernels"],
-        cwd=ROOT, env={**without_service_packages(), "TORCH_EXTENSIONS_DIR": str(extensions)},
-        capture_output=True, text=True, timeout=300,
+        ["bash", "bench/device_check.sh", "--dry-run"], cwd=ROOT, env=environment, capture_output=True, text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert " tests collected" in result.stdout and "error" not in result.stdout.lower()
-    assert "tests/engine/test_triton_engine.py::test_cuda_engine_matches_hf" in result.stdout
-    assert "[cuda-" in result.stdout  # the kernels' CUDA parametrisations
     assert not extensions.exists()
+
+    versions = json.loads((out / "env" / "versions.json").read_text())
+    assert versions["torch"] == torch.__version__ and versions["gpu"] is None
+
+    suite = ElementTree.parse(out / "cuda_tests" / "junit.xml").getroot().find("testsuite")
+    assert suite is not None and int(suite.get("tests", 0)) > 100  # every CUDA test collected (skipped here)
+    assert suite.get("errors") == "0" and suite.get("failures") == "0"
+    names = {case.get("name", "") for case in suite.iter("testcase")}
+    assert any(name.startswith("test_cuda_engine_matches_hf") for name in names)
+
+    kernel = json.loads((out / "kernel" / "results.json").read_text())
+    assert [(run["batch"], run["context"]) for run in kernel["decode_attention_kernel"]["runs"]] == [
+        (1, 64), (2, 64), (1, 128), (2, 128)]
+    throughput = json.loads((out / "throughput" / "results.json").read_text())
+    sides = throughput["models"]["tiny-llama"]["sides"]
+    assert list(sides) == ["conveyor", "hf static generate", "hf generate_batch"]
+    assert all(side["output_tokens"] > 0 and side["tokens_per_second"] > 0 for side in sides.values())
+    assert "| conveyor " in (out / "throughput" / "results.md").read_text()
+
+    rows = [line.split("|")[1:-1] for line in (out / "summary.md").read_text().splitlines() if line.startswith("| ")]
+    assert [(part.strip(), status.strip()) for part, status, *_ in rows[2:]] == [
+        ("env", "0"), ("cuda_tests", "0"), ("kernel", "0"), ("throughput", "0")]
 
 
 def test_a_failed_cuda_tests_objects_are_freed_before_the_next_test_sets_up(tmp_path: Path) -> None:
