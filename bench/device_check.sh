@@ -7,10 +7,11 @@
 #
 # Parts, in order, each under its own `timeout`, each writing under $OUT as soon as it has results, so a part
 # that dies or runs out of time loses nothing that came before:
-#   env/          nvidia-smi, versions (versions.json), the commit
-#   cuda_tests/   the `cuda`-marked tests (kernels against their torch references; the engine on CUDA, with and
-#                 without CUDA graphs, against HF greedy; no host sync in a step; swap and prefix caching):
-#                 junit.xml, pytest.log (one line per test as it finishes), summary.md
+#   env/                nvidia-smi, versions (versions.json), the commit
+#   cuda_engine_tests/  the engine's `cuda`-marked tests (on CUDA, with and without CUDA graphs, against HF
+#                       greedy; no host sync in a step; swap and prefix caching)
+#   cuda_kernel_tests/  the kernels' `cuda`-marked tests, against their torch references
+#                       each: junit.xml, summary.md, and the log with one line per test as it finished
 #   kernel/       the decode attention kernel against the copy bandwidth: results.json, results.md
 #   throughput/   conveyor vs HF static generate vs HF generate_batch on the Llama-3-8B shape (dummy weights
 #                 built on the GPU), decode steps against the bandwidth floor: results.json, results.md
@@ -19,7 +20,8 @@
 # It needs only what a lent machine has (python3, torch, triton, transformers; pytest for the tests part, see
 # docs/performance.md): no service package is imported and no C++ CPU kernel is built. PYTHON picks the
 # interpreter (default python3); a .device-deps/ folder at the root (pip install --target) goes on PYTHONPATH.
-# Per-part limits in seconds: ENV_SECONDS, TESTS_SECONDS, KERNEL_SECONDS, THROUGHPUT_SECONDS. The commit goes in
+# Per-part limits in seconds: ENV_SECONDS, ENGINE_TESTS_SECONDS, KERNEL_TESTS_SECONDS, KERNEL_SECONDS,
+# THROUGHPUT_SECONDS. The commit goes in
 # env/ from git, or from CONVEYOR_COMMIT where the copy has no .git.
 set -u
 
@@ -43,11 +45,13 @@ if [ -d .device-deps ]; then
 fi
 export PYTHONUNBUFFERED=1
 
-# The limits add up to 8 minutes with each part's 5-second grace to stop: 20 + 140 + 60 + 240 + 4 x 5 = 480.
-ENV_SECONDS=${ENV_SECONDS:-20}
-TESTS_SECONDS=${TESTS_SECONDS:-140}
-KERNEL_SECONDS=${KERNEL_SECONDS:-60}
-THROUGHPUT_SECONDS=${THROUGHPUT_SECONDS:-240}
+# The limits add up to 8 minutes with each part's 3-second grace to stop: 15 + 90 + 75 + 50 + 225 + 5 x 3 = 470.
+# Llama-3-8B's part is estimated at 3.1 minutes on an H100 (bench.gpu_throughput prints its estimate).
+ENV_SECONDS=${ENV_SECONDS:-15}
+ENGINE_TESTS_SECONDS=${ENGINE_TESTS_SECONDS:-90}
+KERNEL_TESTS_SECONDS=${KERNEL_TESTS_SECONDS:-75}
+KERNEL_SECONDS=${KERNEL_SECONDS:-50}
+THROUGHPUT_SECONDS=${THROUGHPUT_SECONDS:-225}
 
 SUMMARY="$OUT/summary.md"
 {
@@ -68,7 +72,7 @@ run_part() {
     mkdir -p "$OUT/$name"
     local start=$SECONDS
     echo "== $name (limit ${limit} s)"
-    timeout -k 5 "$limit" "$@" > "$OUT/$name/$name.log" 2>&1
+    timeout -k 3 "$limit" "$@" > "$OUT/$name/$name.log" 2>&1
     local status=$?
     local files
     files=$(cd "$OUT" && find "$name" -type f | sort | tr '\n' ' ')
@@ -109,17 +113,14 @@ print(json.dumps(versions, indent=2))
 PY
 }
 
+# cuda_tests NAME PATHS...: the `cuda`-marked tests among PATHS, into $OUT/NAME/junit.xml and its summary.md.
 cuda_tests() {
-    # The kernels' tests, and the engine's test files that hold `cuda` tests: the others import test-only
-    # packages (hypothesis) that a lent machine lacks, and have no CUDA test to give.
-    local engine_files
-    engine_files=$(grep -l "pytest.mark.cuda" tests/engine/test_*.py | tr '\n' ' ')
+    local name=$1
+    shift
     # -v: one line per test as it finishes, in the log, for a run the limit stops before the JUnit XML is written.
-    # shellcheck disable=SC2086
-    "$PYTHON" -m pytest -m cuda -v -rs -p no:cacheprovider \
-        --junitxml="$OUT/cuda_tests/junit.xml" tests/kernels $engine_files
+    "$PYTHON" -m pytest -m cuda -v -rs -p no:cacheprovider --junitxml="$OUT/$name/junit.xml" "$@"
     local status=$?
-    "$PYTHON" - "$OUT/cuda_tests/junit.xml" "$OUT/cuda_tests/summary.md" <<'PY'
+    "$PYTHON" - "$OUT/$name/junit.xml" "$OUT/$name/summary.md" <<'PY'
 import sys
 import xml.etree.ElementTree as ElementTree
 
@@ -155,7 +156,11 @@ fi
 export OUT PYTHON
 export -f environment cuda_tests
 run_part env "$ENV_SECONDS" bash -c environment
-run_part cuda_tests "$TESTS_SECONDS" bash -c cuda_tests
+# The engine's test files that hold `cuda` tests: the others import test-only packages (hypothesis) that a lent
+# machine lacks, and have no CUDA test to give.
+mapfile -t ENGINE_TEST_FILES < <(grep -l "pytest.mark.cuda" tests/engine/test_*.py)
+run_part cuda_engine_tests "$ENGINE_TESTS_SECONDS" bash -c 'cuda_tests "$@"' _ cuda_engine_tests "${ENGINE_TEST_FILES[@]}"
+run_part cuda_kernel_tests "$KERNEL_TESTS_SECONDS" bash -c 'cuda_tests "$@"' _ cuda_kernel_tests tests/kernels
 run_part kernel "$KERNEL_SECONDS" "$PYTHON" -m bench.gpu_throughput "${KERNEL[@]}" --out "$OUT/kernel"
 run_part throughput "$THROUGHPUT_SECONDS" "$PYTHON" -m bench.gpu_throughput "${THROUGHPUT[@]}" --out "$OUT/throughput"
 

@@ -40,11 +40,17 @@ def test_dry_run_runs_every_part_and_writes_its_files(tmp_path: Path) -> None:
     versions = json.loads((out / "env" / "versions.json").read_text())
     assert versions["torch"] == torch.__version__ and versions["gpu"] is None
 
-    suite = ElementTree.parse(out / "cuda_tests" / "junit.xml").getroot().find("testsuite")
-    assert suite is not None and int(suite.get("tests", 0)) > 100  # every CUDA test collected (skipped here)
-    assert suite.get("errors") == "0" and suite.get("failures") == "0"
-    names = {case.get("name", "") for case in suite.iter("testcase")}
-    assert any(name.startswith("test_cuda_engine_matches_hf") for name in names)
+    names: dict[str, set[str]] = {}
+    for part in ("cuda_engine_tests", "cuda_kernel_tests"):  # every CUDA test collected, skipped here
+        suite = ElementTree.parse(out / part / "junit.xml").getroot().find("testsuite")
+        assert suite is not None and suite.get("errors") == "0" and suite.get("failures") == "0"
+        assert suite.get("tests") == suite.get("skipped")
+        names[part] = {case.get("name", "") for case in suite.iter("testcase")}
+        assert f"| {suite.get('tests')} | 0 | 0 | 0 |" in (out / part / "summary.md").read_text()
+    assert {"test_cuda_engine_matches_hf", "test_cuda_step_waits_for_the_gpu_only_to_read_sampled_tokens"} <= {
+        name.partition("[")[0] for name in names["cuda_engine_tests"]}
+    assert {"test_decode_matches_reference", "test_prefill_matches_reference", "test_fused_moe_matches_reference"} <= {
+        name.partition("[")[0] for name in names["cuda_kernel_tests"]}
 
     kernel = json.loads((out / "kernel" / "results.json").read_text())
     assert [(run["batch"], run["context"]) for run in kernel["decode_attention_kernel"]["runs"]] == [
@@ -57,7 +63,7 @@ def test_dry_run_runs_every_part_and_writes_its_files(tmp_path: Path) -> None:
 
     rows = [line.split("|")[1:-1] for line in (out / "summary.md").read_text().splitlines() if line.startswith("| ")]
     assert [(part.strip(), status.strip()) for part, status, *_ in rows[2:]] == [
-        ("env", "0"), ("cuda_tests", "0"), ("kernel", "0"), ("throughput", "0")]
+        ("env", "0"), ("cuda_engine_tests", "0"), ("cuda_kernel_tests", "0"), ("kernel", "0"), ("throughput", "0")]
 
 
 def test_a_failed_cuda_tests_objects_are_freed_before_the_next_test_sets_up(tmp_path: Path) -> None:
