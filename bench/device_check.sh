@@ -117,6 +117,11 @@ PY
 cuda_tests() {
     local name=$1
     shift
+    if ! "$PYTHON" -c "import pytest" 2> /dev/null; then
+        echo "pytest is not installed for $PYTHON: pip install --target .device-deps pytest beside the tree," \
+            "and copy .device-deps/ over with it (docs/performance.md)"
+        return 1
+    fi
     # -v: one line per test as it finishes, in the log, for a run the limit stops before the JUnit XML is written.
     "$PYTHON" -m pytest -m cuda -v -rs -p no:cacheprovider --junitxml="$OUT/$name/junit.xml" "$@"
     local status=$?
