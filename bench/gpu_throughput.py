@@ -270,7 +270,8 @@ def run_hf_generate_batch(model: PreTrainedModel, requests: list[BenchRequest]) 
         # (seconds). Sized to the workload instead, in HF's default 256-token blocks.
         tokens = sum(len(r.prompt_token_ids) + r.output_len for r in requests)
         cache_options |= {"num_blocks": -(-tokens // 256) + len(requests), "max_batch_tokens": 256}
-    cache_options, left_out = supported_options(cache_options, dataclasses_fields(transformers.ContinuousBatchingConfig))
+    config_fields = dataclasses_fields(transformers.ContinuousBatchingConfig)
+    cache_options, left_out = supported_options(cache_options, config_fields)
     manager_options: dict[str, Any] = {
         "generation_config": generation_config,
         "continuous_batching_config": transformers.ContinuousBatchingConfig(**cache_options),
@@ -398,7 +399,9 @@ def _failure(label: str, side: str, error: Exception) -> str:
 
 
 def result_figures(result: BenchResult) -> dict[str, float]:
-    return {"seconds": result.seconds, "output_tokens": result.output_tokens, "tokens_per_second": result.tokens_per_second}
+    return {
+        "seconds": result.seconds, "output_tokens": result.output_tokens, "tokens_per_second": result.tokens_per_second
+    }
 
 
 def step_figures(steps: list[DecodeStep]) -> dict[str, float] | None:

@@ -413,7 +413,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="default", help="tiny: a smoke run; small: a few minutes; gpu: for a GPU")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument(
-        "--dtype", default="auto", help="auto (the engine's default): bfloat16 where the host has fast bf16, else float32"
+        "--dtype", default="auto",
+        help="auto (the engine's default): bfloat16 where the host has fast bf16, else float32",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice, the core count)")

@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument(
-        "--dtype", default="auto", help="auto (the engine's default): bfloat16 where the host has fast bf16, else float32"
+        "--dtype", default="auto",
+        help="auto (the engine's default): bfloat16 where the host has fast bf16, else float32",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -227,7 +228,8 @@ def run(args: argparse.Namespace) -> None:
     flops = useful_flops(llm.engine.model_config, [(len(r.prompt_token_ids), r.output_len) for r in requests])
     print(
         f"conveyor: {ours.tokens_per_second:.1f} output tok/s; useful work {flops / ours.seconds / 1e9:.1f} GFLOP/s "
-        f"= {flops / ours.seconds / peak:.1%} of this machine's {dtype_name(dtype)} matmul peak ({peak / 1e9:.1f} GFLOP/s)",
+        f"= {flops / ours.seconds / peak:.1%} of this machine's {dtype_name(dtype)} matmul peak "
+        f"({peak / 1e9:.1f} GFLOP/s)",
         flush=True,
     )
     if not args.skip_profile and device.type == "cpu":
