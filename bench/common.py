@@ -22,6 +22,11 @@ from engine.model_registry import DEFAULT_MODEL
 from engine.outputs import RequestOutput
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for torch.bfloat16: how a table names the dtype that ran (`--dtype auto` resolves per host)."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class Submission:
     request_id: str

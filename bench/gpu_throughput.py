@@ -30,24 +30,34 @@ per-layer launch cost and the builds):
     python -m bench.gpu_throughput --models llama-3-8b
     python -m bench.gpu_throughput                       # all of the above in one command (no time limit)
     python -m bench.gpu_throughput --smoke               # tiny shapes on the CPU, end to end in seconds
+    python -m bench.gpu_throughput --models llama-3-8b --kernels --out results/   # both, one process
+
+With --out, results.json and results.md are written as each figure comes, so a run stopped midway keeps what
+it measured. A side that fails (an HF API this transformers lacks) is recorded with its error and the run goes
+on; the command then exits non-zero. Options of HF's continuous batching that the installed transformers does
+not have (5.17: `auto_switch_to_flash`) are left out and named in the table; transformers 5.17-5.24 run.
+bench/device_check.sh runs this on a lent GPU beside the CUDA tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import inspect
 import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bench.common import markdown_table, run_cli
+from bench.common import dtype_name, markdown_table, run_cli
 from bench.throughput import BenchRequest, BenchResult, make_workload, run_conveyor, run_hf_static
 from engine import LLM
 from engine.config import ModelConfig
@@ -122,13 +132,16 @@ class ModelReport:
     label: str
     num_requests: int
     hf_requests: int
-    results: list[BenchResult]  # conveyor first
+    results: list[BenchResult]  # conveyor first; an HF side that failed is missing
     decode_steps: list[DecodeStep]
     hf_attention: dict[str, str]  # HF side -> the attention implementation it ran with
+    failures: dict[str, str] = field(default_factory=dict)  # HF side -> the error it stopped on
+    hf_options_left_out: list[str] = field(default_factory=list)  # continuous-batching options this transformers lacks
 
-    def ratio(self, hf_name: str) -> float:
-        conveyor, hf = self.results[0], next(r for r in self.results if r.name == hf_name)
-        return conveyor.tokens_per_second / hf.tokens_per_second
+    def ratio(self, hf_name: str) -> float | None:
+        """conveyor tok/s over this HF side's; None where the side failed."""
+        conveyor, hf = self.results[0], next((r for r in self.results if r.name == hf_name), None)
+        return None if hf is None else conveyor.tokens_per_second / hf.tokens_per_second
 
 
 @dataclass(frozen=True)
@@ -237,53 +250,65 @@ def build_hf_model(
     return model.eval()
 
 
-def run_hf_generate_batch(model: PreTrainedModel, requests: list[BenchRequest]) -> tuple[BenchResult, str]:
+def run_hf_generate_batch(model: PreTrainedModel, requests: list[BenchRequest]) -> tuple[BenchResult, str, list[str]]:
     """transformers' continuous batching with eos disabled, each request to its own length, on the
-    model's attention implementation (never switched to a flash kernel that happens to be
-    installed). Returns the result and the implementation that ran."""
+    model's attention implementation (not switched to a flash kernel that happens to be installed,
+    where this transformers has the option). Returns the result, the implementation that ran, and the
+    options this transformers does not have, which were left out."""
     import transformers
 
     if not hasattr(model, "continuous_batching_context_manager"):
         raise RuntimeError(f"transformers {transformers.__version__} has no continuous batching (generate_batch)")
-    try:
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-    except ImportError as error:
-        raise RuntimeError(
-            f"transformers {transformers.__version__}: continuous batching without WorkloadHints; "
-            "this benchmark was written against transformers 5.17-5.23"
-        ) from error
-
     longest_output = max(r.output_len for r in requests)
     # eos_token_id=-1 is the manager's "no eos".
     generation_config = transformers.GenerationConfig(
         do_sample=False, max_new_tokens=longest_output, eos_token_id=-1, pad_token_id=0
     )
-    hints = WorkloadHints(
-        max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
-        max_generated_length=longest_output,
-        num_requests=len(requests),
-    )
-    cache_config = transformers.ContinuousBatchingConfig(auto_switch_to_flash=False)
+    cache_options: dict[str, Any] = {"auto_switch_to_flash": False}
     if model.device.type != "cuda":
         # HF sizes its KV cache from free memory; on the CPU that is 60% of RAM, allocated at start
         # (seconds). Sized to the workload instead, in HF's default 256-token blocks.
         tokens = sum(len(r.prompt_token_ids) + r.output_len for r in requests)
-        cache_config = transformers.ContinuousBatchingConfig(
-            num_blocks=-(-tokens // 256) + len(requests), max_batch_tokens=256, auto_switch_to_flash=False
+        cache_options |= {"num_blocks": -(-tokens // 256) + len(requests), "max_batch_tokens": 256}
+    config_fields = dataclasses_fields(transformers.ContinuousBatchingConfig)
+    cache_options, left_out = supported_options(cache_options, config_fields)
+    manager_options: dict[str, Any] = {
+        "generation_config": generation_config,
+        "continuous_batching_config": transformers.ContinuousBatchingConfig(**cache_options),
+        "block": True,
+    }
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        manager_options["workload_hints"] = WorkloadHints(
+            max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
+            max_generated_length=longest_output,
+            num_requests=len(requests),
         )
-    with model.continuous_batching_context_manager(
-        generation_config=generation_config,
-        continuous_batching_config=cache_config,
-        workload_hints=hints,
-        block=True,
-    ) as manager:
+    except ImportError:
+        left_out.append("workload_hints")
+    accepted = inspect.signature(model.continuous_batching_context_manager).parameters
+    manager_options, also_left_out = supported_options(manager_options, accepted)
+    left_out += also_left_out
+    with model.continuous_batching_context_manager(**manager_options) as manager:
         attention = model.config._attn_implementation  # what the manager runs ("eager" becomes "paged|eager")
         _run_to_completion(manager, [BenchRequest([1, 2, 3], 2)], "warm-up")
         start = time.perf_counter()
         produced = _run_to_completion(manager, requests, "bench")
         seconds = time.perf_counter() - start
     assert produced == sum(r.output_len for r in requests), "HF generate_batch stopped a request early"
-    return BenchResult("hf generate_batch", seconds, produced), attention
+    return BenchResult("hf generate_batch", seconds, produced), attention, sorted(left_out)
+
+
+def supported_options(options: dict[str, Any], accepted: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
+    """The options a transformers API of the installed version accepts, and the names of those it does not
+    (transformers 5.17's ContinuousBatchingConfig has no `auto_switch_to_flash`, 5.24's has)."""
+    names = set(accepted)
+    return {k: v for k, v in options.items() if k in names}, [k for k in options if k not in names]
+
+
+def dataclasses_fields(cls: type) -> list[str]:
+    return [field.name for field in dataclasses.fields(cls)]
 
 
 def _run_to_completion(manager: Any, requests: list[BenchRequest], prefix: str) -> int:
@@ -307,11 +332,15 @@ def _run_to_completion(manager: Any, requests: list[BenchRequest], prefix: str) 
     return produced
 
 
-def bench_model(model: str, args: argparse.Namespace, device: torch.device, bandwidth: float) -> ModelReport:
+def bench_model(
+    model: str, args: argparse.Namespace, device: torch.device, bandwidth: float, results: ResultsFolder
+) -> ModelReport:
+    """conveyor, then HF static generate, then HF generate_batch; each side's figures written as soon as it
+    finishes. An HF side that fails is recorded with its error and the next one runs."""
     label = model if model in DUMMY_SHAPES else Path(model).name
     print(f"{label}: conveyor ...", flush=True)
     llm = LLM(
-        model=model, load_format="dummy", dtype=args.dtype, device=device,
+        model=model, load_format="dummy", dtype=args.dtype, device=device, kernel_backend=args.kernel_backend,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
     )
     dtype = llm.engine.dtype
@@ -323,22 +352,97 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device, band
     steps = recorder.steps
     del llm, recorder
     release_memory(device)
+    results.record(("models", label, "requests"), len(requests))
+    results.record(("models", label, "dtype"), dtype_name(dtype))
+    results.record(("models", label, "sides", conveyor.name), result_figures(conveyor))
+    results.record(("models", label, "decode_steps"), {name: step_figures(s) for name, s in _step_sets(steps)})
 
     cap = args.hf_max_requests if args.hf_max_requests is not None else HF_MAX_REQUESTS.get(model, len(requests))
     hf_requests = requests[: min(cap, len(requests))]
+    results.record(("models", label, "hf_requests"), len(hf_requests))
     if len(hf_requests) < len(requests):
         print(f"{label}: HF runs capped at the first {len(hf_requests)} of {len(requests)} requests", flush=True)
-    print(f"{label}: HF static generate ...", flush=True)
-    hf_model = build_hf_model(resolve_model(model, "dummy").hf_config, dtype, device, args.hf_attention)
-    static_attention = hf_model.config._attn_implementation
-    static = run_hf_static(hf_model, hf_requests, args.hf_batch_size)
+    sides, attention, failures, left_out = [conveyor], {}, {}, []
+    hf_model = None
+    try:
+        print(f"{label}: HF static generate ...", flush=True)
+        hf_model = build_hf_model(resolve_model(model, "dummy").hf_config, dtype, device, args.hf_attention)
+        attention["hf static generate"] = hf_model.config._attn_implementation
+        sides.append(run_hf_static(hf_model, hf_requests, args.hf_batch_size))
+    except Exception as error:  # recorded: the table and the JSON name the side that failed and why
+        failures["hf static generate"] = _failure(label, "hf static generate", error)
     release_memory(device)
-    print(f"{label}: HF generate_batch ...", flush=True)
-    continuous, continuous_attention = run_hf_generate_batch(hf_model, hf_requests)
+    if hf_model is not None:
+        try:
+            print(f"{label}: HF generate_batch ...", flush=True)
+            continuous, attention["hf generate_batch"], left_out = run_hf_generate_batch(hf_model, hf_requests)
+            sides.append(continuous)
+        except Exception as error:
+            failures["hf generate_batch"] = _failure(label, "hf generate_batch", error)
     del hf_model
     release_memory(device)
-    attention = {static.name: static_attention, continuous.name: continuous_attention}
-    return ModelReport(label, len(requests), len(hf_requests), [conveyor, static, continuous], steps, attention)
+    for side in sides[1:]:
+        results.record(("models", label, "sides", side.name), result_figures(side))
+    for name, error in failures.items():
+        results.record(("models", label, "sides", name), {"error": error})
+    results.record(("models", label, "hf_attention"), attention)
+    results.record(("models", label, "hf_options_left_out"), left_out)
+    report = ModelReport(label, len(requests), len(hf_requests), sides, steps, attention, failures, left_out)
+    results.record(("models", label, "conveyor_over"), {name: report.ratio(name) for name in RATIO_TARGETS})
+    return report
+
+
+def _failure(label: str, side: str, error: Exception) -> str:
+    print(f"{label}: {side} failed:", flush=True)
+    traceback.print_exc()
+    return f"{type(error).__name__}: {error}"
+
+
+def result_figures(result: BenchResult) -> dict[str, float]:
+    return {
+        "seconds": result.seconds, "output_tokens": result.output_tokens, "tokens_per_second": result.tokens_per_second
+    }
+
+
+def step_figures(steps: list[DecodeStep]) -> dict[str, float] | None:
+    if not steps:
+        return None
+    return {
+        "steps": len(steps),
+        "median_batch": statistics.median(s.batch for s in steps),
+        "median_step_seconds": statistics.median(s.seconds for s in steps),
+        "median_floor_seconds": statistics.median(s.floor_seconds for s in steps),
+        "median_floor_over_step": statistics.median(s.floor_fraction for s in steps),
+    }
+
+
+class ResultsFolder:
+    """Figures written as soon as they are measured, so that a run stopped midway (a lent GPU's time limit, a
+    crash) keeps what came before: results.json, rewritten whole after every figure, and results.md, each table
+    appended as it is printed. Without a folder (no --out) they are only printed."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+        self.data: dict[str, Any] = {}
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "results.md").write_text("")
+
+    def record(self, path: tuple[str, ...], value: object) -> None:
+        node = self.data
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+        if self.folder is not None:
+            partial = self.folder / "results.json.partial"  # replaced in one step: never half a file
+            partial.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+            partial.replace(self.folder / "results.json")
+
+    def table(self, text: str) -> None:
+        print("\n" + text + "\n", flush=True)
+        if self.folder is not None:
+            with (self.folder / "results.md").open("a") as markdown:
+                markdown.write(text + "\n\n")
 
 
 def release_memory(device: torch.device) -> None:
@@ -366,15 +470,20 @@ def format_model(report: ModelReport, args: argparse.Namespace) -> str:
     ]
     if report.hf_requests < report.num_requests:
         lines.append(f"HF ran the first {report.hf_requests} requests only (--hf-max-requests); ratios compare tok/s.")
+    for name, error in report.failures.items():
+        lines.append(f"{name} FAILED: {error}")
     ran = "; ".join(f"{name}: {implementation}" for name, implementation in report.hf_attention.items())
     lines += [
         "HF generate_batch: its continuous-batching manager, one max_new_tokens per request.",
         f"HF attention implementation that ran: {ran} (asked for {args.hf_attention}).",
+    ]
+    if report.hf_options_left_out:
+        lines.append(f"Left out, this transformers does not have them: {', '.join(report.hf_options_left_out)}.")
+    lines += [
         "",
         markdown_table(
             ["decode-only steps", "steps", "median batch", "median step ms", "median floor ms", "median floor / step"],
-            [_step_row("all", report.decode_steps),
-             _step_row(f"batch >= {STEP_TARGET_BATCH}", _large(report.decode_steps))],
+            [_step_row(name, steps) for name, steps in _step_sets(report.decode_steps)],
         ),
     ]
     return "\n".join(lines)
@@ -384,16 +493,21 @@ def _large(steps: list[DecodeStep]) -> list[DecodeStep]:
     return [s for s in steps if s.batch >= STEP_TARGET_BATCH]
 
 
+def _step_sets(steps: list[DecodeStep]) -> list[tuple[str, list[DecodeStep]]]:
+    return [("all", steps), (f"batch >= {STEP_TARGET_BATCH}", _large(steps))]
+
+
 def _step_row(name: str, steps: list[DecodeStep]) -> list[object]:
-    if not steps:
+    figures = step_figures(steps)
+    if figures is None:
         return [name, 0, "-", "-", "-", "-"]
     return [
         name,
-        len(steps),
-        statistics.median(s.batch for s in steps),
-        f"{statistics.median(s.seconds for s in steps) * 1e3:.2f}",
-        f"{statistics.median(s.floor_seconds for s in steps) * 1e3:.2f}",
-        f"{statistics.median(s.floor_fraction for s in steps):.2f}",
+        figures["steps"],
+        figures["median_batch"],
+        f"{figures['median_step_seconds'] * 1e3:.2f}",
+        f"{figures['median_floor_seconds'] * 1e3:.2f}",
+        f"{figures['median_floor_over_step']:.2f}",
     ]
 
 
@@ -419,7 +533,10 @@ def format_summary(
         for hf_name, target in RATIO_TARGETS.items():
             ratio = report.ratio(hf_name)
             label = f"{report.label}: conveyor / {hf_name} >= {target:g}x"
-            rows.append([label, f"{ratio:.2f}x", _met(ratio >= target)])
+            if ratio is None:
+                rows.append([label, f"not measured: {hf_name} failed", "n/a"])
+            else:
+                rows.append([label, f"{ratio:.2f}x", _met(ratio >= target)])
     step_target = f"{STEP_TARGET_MODEL}: decode step at batch >= {STEP_TARGET_BATCH} within 1.5x of the floor"
     step_report = next((r for r in reports if r.label == STEP_TARGET_MODEL), None)
     if step_report is None:
@@ -447,13 +564,13 @@ def _met(ok: bool) -> str:
     return "yes" if ok else "no"
 
 
-def write_smoke_models(folder: Path) -> list[str]:
-    """Config-only folders, which conveyor loads with load_format="dummy"."""
-    paths = []
+def write_smoke_models(folder: Path) -> dict[str, str]:
+    """Config-only folders, which conveyor loads with load_format="dummy", by shape name."""
+    paths = {}
     for name, config in SMOKE_SHAPES.items():
         (folder / name).mkdir()
         (folder / name / "config.json").write_text(json.dumps(config))
-        paths.append(str(folder / name))
+        paths[name] = str(folder / name)
     return paths
 
 
@@ -470,12 +587,18 @@ def main(argv: list[str] | None = None) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few short requests, on the CPU")
-    only = parser.add_mutually_exclusive_group()
-    only.add_argument(
+    parser.add_argument(
         "--models", nargs="+",
-        help=f"only these models: named dummy shapes or config.json folders (default: {' '.join(MODELS)}, then --kernels)",
+        help=f"these models (named dummy shapes or config.json folders), and the kernel only with --kernels "
+        f"(default: {' '.join(MODELS)}, then the kernel)",
     )
-    only.add_argument("--kernels", action="store_true", help="only the decode attention kernel")
+    parser.add_argument(
+        "--kernels", action="store_true", help="the decode attention kernel: alone, or after --models' models"
+    )
+    parser.add_argument(
+        "--out", type=Path,
+        help="folder for results.json and results.md, written as each figure comes (a stopped run keeps them)",
+    )
     parser.add_argument(
         "--hf-attention", choices=HF_ATTENTION, default="sdpa", help="HF's attention implementation (default sdpa)"
     )
@@ -492,6 +615,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--kernel-backend", choices=("auto", "torch", "triton"), default="auto",
+        help="conveyor's kernels (default auto: Triton on CUDA); triton on the CPU, under TRITON_INTERPRET=1, runs "
+        "the GPU path's kernels (bench/device_check.sh --dry-run)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -502,23 +630,54 @@ def run(args: argparse.Namespace) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here; `python -m bench.gpu_throughput --smoke` runs the CPU smoke version")
     torch.manual_seed(args.seed)
+    models, kernels = parts(args)
+    results = ResultsFolder(args.out)
+    results.record(("run",), {
+        "device": describe_device(device), "dtype": args.dtype, "smoke": args.smoke, "models": models,
+        "kernels": kernels, "argv": vars(args),
+    })
     print(f"device: {describe_device(device)}; dtype {args.dtype}" + ("; smoke run" if args.smoke else ""), flush=True)
     if not args.smoke:
         print_estimate(args)
     bandwidth = copy_bandwidth(device)
     release_memory(device)
+    results.record(("copy_bandwidth_bytes_per_second",), bandwidth)
     print(f"copy bandwidth: {bandwidth / 1e9:,.1f} GB/s (bytes read + written)", flush=True)
 
-    reports = []
-    if not args.kernels:
-        with tempfile.TemporaryDirectory(prefix="gpu-throughput-") as scratch:
-            models = args.models or (write_smoke_models(Path(scratch)) if args.smoke else list(MODELS))
-            for model in models:
-                reports.append(bench_model(model, args, device, bandwidth))
-                print("\n" + format_model(reports[-1], args) + "\n", flush=True)
+    reports, failed = [], []
+    with tempfile.TemporaryDirectory(prefix="gpu-throughput-") as scratch:
+        smoke_folders = write_smoke_models(Path(scratch)) if args.smoke else {}
+        for model in [smoke_folders.get(name, name) for name in models]:
+            try:
+                reports.append(bench_model(model, args, device, bandwidth, results))
+            except Exception as error:  # recorded; the next model and the kernel still run
+                failed.append(model)
+                results.record(("models", Path(model).name, "error"), _failure(model, "conveyor", error))
+                release_memory(device)
+                continue
+            results.table(format_model(reports[-1], args))
+            failed += [f"{reports[-1].label}: {side}" for side in reports[-1].failures]
 
-    kernel_runs = bench_kernel(args, device, bandwidth) if args.models is None else None
-    print(format_summary(reports, kernel_runs, bandwidth, args.smoke))
+    kernel_runs = None
+    if kernels:
+        try:
+            kernel_runs = bench_kernel(args, device, bandwidth, results)
+        except Exception as error:
+            failed.append("decode attention kernel")
+            results.record(("decode_attention_kernel", "error"), _failure("kernel", "decode attention", error))
+    summary = format_summary(reports, kernel_runs, bandwidth, args.smoke)
+    results.record(("summary",), summary)
+    results.table(summary)
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)} (errors above and in results.json)")
+
+
+def parts(args: argparse.Namespace) -> tuple[list[str], bool]:
+    """The models to run and whether to run the kernel: every model (MODELS, or --smoke's SMOKE_SHAPES) and the
+    kernel by default; --models, --kernels or both pick."""
+    if args.models is None and not args.kernels:
+        return list(SMOKE_SHAPES if args.smoke else MODELS), True
+    return args.models or [], args.kernels
 
 
 def estimate_seconds(model: str, args: argparse.Namespace) -> dict[str, float]:
@@ -574,33 +733,46 @@ def estimate_seconds(model: str, args: argparse.Namespace) -> dict[str, float]:
 
 def print_estimate(args: argparse.Namespace) -> None:
     """The command's expected length on an H100, part by part, against the per-command limit."""
-    parts: dict[str, float] = {}
-    if not args.kernels:
-        for model in args.models or MODELS:
-            if model in DUMMY_SHAPES:
-                parts |= {f"{model}: {side}": s for side, s in estimate_seconds(model, args).items()}
-    if args.models is None:
-        parts["decode attention kernel"] = KERNEL_COMMAND_SECONDS
-    total = sum(parts.values())
-    detail = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in parts.items())
+    seconds: dict[str, float] = {}
+    models, kernels = parts(args)
+    for model in models:
+        if model in DUMMY_SHAPES:
+            seconds |= {f"{model}: {side}": s for side, s in estimate_seconds(model, args).items()}
+    if kernels:
+        seconds["decode attention kernel"] = KERNEL_COMMAND_SECONDS
+    total = sum(seconds.values())
+    detail = ", ".join(f"{name} {part:.0f} s" for name, part in seconds.items())
     verdict = "within" if total <= COMMAND_LIMIT_SECONDS / 2 else "NOT well within"
     print(f"H100 estimate: {total / 60:.1f} min ({detail}); {verdict} the {COMMAND_LIMIT_SECONDS // 60}-minute "
           "per-command limit of a lent GPU", flush=True)
 
 
-def bench_kernel(args: argparse.Namespace, device: torch.device, bandwidth: float) -> list[KernelRun] | None:
-    """The decode attention kernel over its grid of batches and contexts, printed; None where it cannot run."""
+def bench_kernel(
+    args: argparse.Namespace, device: torch.device, bandwidth: float, results: ResultsFolder
+) -> list[KernelRun] | None:
+    """The decode attention kernel over its grid of batches and contexts, each shape written as it is timed, then
+    the table; None where it cannot run."""
+    skipped = None
     if not TRITON_AVAILABLE:
-        print("decode attention kernel: skipped (Triton is not installed)")
-        return None
-    if device.type != "cuda" and not interpreter_enabled():
-        print("decode attention kernel: skipped (the Triton kernel needs CUDA, or TRITON_INTERPRET=1 on the CPU)")
+        skipped = "Triton is not installed"
+    elif device.type != "cuda" and not interpreter_enabled():
+        skipped = "the Triton kernel needs CUDA, or TRITON_INTERPRET=1 on the CPU"
+    if skipped is not None:
+        print(f"decode attention kernel: skipped ({skipped})")
+        results.record(("decode_attention_kernel", "skipped"), skipped)
         return None
     shape = ModelConfig.from_hf(SMOKE_SHAPES["tiny-llama"] if args.smoke else DUMMY_SHAPES["llama-3-8b"])
     batches, contexts = SMOKE_KERNEL_GRID if args.smoke else KERNEL_GRID
     dtype = resolve_dtype(args.dtype, device)
-    runs = [bench_decode_attention(shape, batch, context, dtype, device) for context in contexts for batch in batches]
-    print(format_kernel(runs, shape, bandwidth) + "\n")
+    runs = []
+    for context in contexts:
+        for batch in batches:
+            runs.append(bench_decode_attention(shape, batch, context, dtype, device))
+            results.record(("decode_attention_kernel", "runs"), [
+                {"batch": r.batch, "context": r.context, "seconds": r.seconds, "bytes_read": r.bytes_read,
+                 "of_copy_bandwidth": r.fraction(bandwidth)} for r in runs
+            ])
+    results.table(format_kernel(runs, shape, bandwidth))
     return runs
 
 

@@ -16,7 +16,10 @@ CLOCKS = ("cpu", "wall")  # the keys of bench.scheduling_runs.CLOCKS
 
 def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--dtype", default="auto",
+        help="auto (the engine's default): bfloat16 where the host has fast bf16, else float32",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
@@ -36,7 +39,10 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for report.md, the plots and the CSVs")
     parser.add_argument("--size", choices=REPORT_SIZES, default="default", help="tiny: a smoke run; small: a few minutes; gpu: for a GPU")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--dtype", default="auto",
+        help="auto (the engine's default): bfloat16 where the host has fast bf16, else float32",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice, the core count)")
     parser.add_argument("--seed", type=int, default=0)

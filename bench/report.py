@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import markdown_table, run_cli
+from bench.common import dtype_name, markdown_table, run_cli
 from bench.options import add_report_arguments
 from bench.scheduling_runs import (
     SPREADS,
@@ -418,10 +418,12 @@ def run(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    setting = Setting(args.model, args.dtype, args.device, SIZES[args.size], args.seed, args.clock)
+    # Resolved once here: every run, and HF's, uses the dtype the header names.
+    dtype = dtype_name(resolve_dtype(args.dtype, torch.device(args.device)))
+    setting = Setting(args.model, dtype, args.device, SIZES[args.size], args.seed, args.clock)
     vocab_size = resolve_vocab_size(setting.model)
     header = (
-        f"`python -m bench.report --out {out} --size {args.size} --clock {args.clock}` — model {args.model}, {args.dtype} on {args.device} "
+        f"`python -m bench.report --out {out} --size {args.size} --clock {args.clock}` — model {args.model}, {dtype} on {args.device} "
         f"({describe_machine(args.device)}), {torch.get_num_threads()} torch threads, torch {torch.__version__}, seed {args.seed}."
     )
     print(header, flush=True)

@@ -31,11 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bench.common import run_cli
+from bench.common import dtype_name, run_cli
 from bench.options import add_throughput_arguments
 from bench.step_profile import StepProfile, matmul_peak_flops, useful_flops
 from engine import LLM, SamplingParams
-from engine.dtypes import resolve_dtype
 from engine.model_registry import DUMMY_SHAPES, resolve_model
 
 if TYPE_CHECKING:
@@ -195,19 +194,22 @@ def run(args: argparse.Namespace) -> None:
     requests = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.engine.model_config.vocab_size, args.seed
     )
+    dtype = llm.engine.dtype  # what --dtype resolved to here
     print(
-        f"model={args.model}{' (small)' if args.small else ''} dtype={args.dtype} device={args.device} requests={args.num_requests} "
+        f"model={args.model}{' (small)' if args.small else ''} dtype={dtype_name(dtype)} device={args.device} "
+        f"requests={args.num_requests} "
         f"prompt={args.prompt_len[0]}-{args.prompt_len[1]} output={args.output_len[0]}-{args.output_len[1]} "
         f"threads={torch.get_num_threads()}",
         flush=True,
     )
     ours = run_conveyor(llm, requests)
-    device, dtype = torch.device(args.device), resolve_dtype(args.dtype, torch.device(args.device))
+    device = torch.device(args.device)
     peak = matmul_peak_flops(dtype, device)
     flops = useful_flops(llm.engine.model_config, [(len(r.prompt_token_ids), r.output_len) for r in requests])
     print(
         f"conveyor: {ours.tokens_per_second:.1f} output tok/s; useful work {flops / ours.seconds / 1e9:.1f} GFLOP/s "
-        f"= {flops / ours.seconds / peak:.1%} of this machine's {args.dtype} matmul peak ({peak / 1e9:.1f} GFLOP/s)",
+        f"= {flops / ours.seconds / peak:.1%} of this machine's {dtype_name(dtype)} matmul peak "
+        f"({peak / 1e9:.1f} GFLOP/s)",
         flush=True,
     )
     if not args.skip_profile and device.type == "cpu":

@@ -2,18 +2,85 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-pytest_plugins = ["tests.service_fixtures", "tests.stack_fixtures"]
+if TYPE_CHECKING:
+    from engine import LLM
+
+# The real service's fixtures (SeaweedFS, PostgreSQL, Redis, API and worker processes) import boto3, SQLAlchemy,
+# pydantic-settings and Redis: tests/api and tests/jobs load them from their own conftest.py, so engine and
+# kernel tests collect on a machine that has none of these (a lent GPU).
+SERVICE_FIXTURES = ("tests.service_fixtures", "tests.stack_fixtures")
+
+
+def register_service_fixtures(config: pytest.Config) -> None:
+    """Registers the service fixtures as plugins, once per session however many folders ask: session-scoped
+    fixtures (one SeaweedFS, one scratch database) stay shared. Called from a folder's `pytest_configure`,
+    which pytest runs when it loads that folder's conftest.py, before collecting the folder's tests."""
+    for plugin in SERVICE_FIXTURES:
+        config.pluginmanager.import_plugin(plugin)
 
 # Triton decides between compiling and interpreting when a kernel module is imported, and engine
 # tests import kernels first: without a GPU, interpret.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Share of the GPU's memory each CUDA test's engine may fill (its `gpu_memory_utilization`; the engine's own
+# default, 0.9, leaves nothing for the next test's engine). From CONVEYOR_TEST_GPU_MEMORY_FRACTION, default 0.3.
+TEST_GPU_MEMORY_FRACTION = float(os.environ.get("CONVEYOR_TEST_GPU_MEMORY_FRACTION", "0.3"))
+
+
+@pytest.fixture
+def cuda_llm() -> Iterator[Callable[..., LLM]]:
+    """Builds engines on CUDA with TEST_GPU_MEMORY_FRACTION of the GPU's memory; they are closed when the test
+    ends, and `free_gpu_memory_after_cuda_tests` frees their memory, whether the test passed or failed."""
+    from engine import LLM
+
+    built: list[LLM] = []
+
+    def build(model: str, **options: object) -> LLM:
+        llm = LLM(model=model, device="cuda", gpu_memory_utilization=TEST_GPU_MEMORY_FRACTION, **options)
+        built.append(llm)
+        return llm
+
+    yield build
+    for llm in built:
+        llm.engine.close()
+    built.clear()
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory_after_cuda_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a `cuda` test, gives its GPU memory back. A failed test's traceback (kept in sys.last_traceback for
+    post-mortem debugging) holds its frames, and so its engine and KV cache: cleared first, or every later engine
+    test would find the memory taken and fail on a negative KV budget."""
+    yield
+    if request.node.get_closest_marker("cuda") is None:
+        return
+    failed = getattr(sys, "last_traceback", None)
+    if failed is not None:
+        traceback.clear_frames(failed)
+        for frame, _ in traceback.walk_tb(failed):
+            # pytest keeps the traceback elsewhere too (its report's ExceptionInfo), and writing the report read
+            # the frames' locals into a dict that frame.clear() leaves behind (Python 3.11, 3.12).
+            if isinstance(frame.f_locals, dict):
+                frame.f_locals.clear()
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                delattr(sys, name)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

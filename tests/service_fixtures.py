@@ -1,4 +1,4 @@
-"""Fixtures for the service's backing stores, real ones: a pytest plugin, registered in tests/conftest.py.
+"""Fixtures for the service's backing stores, real ones: a pytest plugin, registered by tests/api and tests/jobs.
 
 One SeaweedFS S3 server per test session, on free ports and with random credentials, so tests can run beside a
 developer's own server or another test run. Each session works in its own bucket and key prefix.

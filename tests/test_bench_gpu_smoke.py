@@ -57,13 +57,49 @@ def test_decode_steps_are_recorded_with_their_contexts(tiny_dummy_model: Path) -
     assert [s.floor_seconds for s in recorder.steps] == expected
 
 
-def test_kernels_alone(capsys: pytest.CaptureFixture[str]) -> None:
+def test_kernels_alone(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import json
+
     from bench import gpu_throughput
 
-    gpu_throughput.main(["--smoke", "--kernels"])
+    gpu_throughput.main(["--smoke", "--kernels", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert "### tiny-" not in out and "conveyor / hf" not in out
     assert "llama-3-8b: decode step at batch >= 128 within 1.5x of the floor" in out  # reported as not run
+    # The files hold what was printed: the summary in both, the kernel's figures (or why it was skipped).
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "models" not in results and "decode_attention_kernel" in results
+    assert "### summary" in (tmp_path / "results.md").read_text() and "### summary" in results["summary"]
+
+
+def test_models_and_kernels_share_a_process() -> None:
+    import argparse
+
+    from bench import gpu_throughput
+
+    parser = argparse.ArgumentParser()
+    gpu_throughput.add_arguments(parser)
+    assert gpu_throughput.parts(parser.parse_args([])) == (list(gpu_throughput.MODELS), True)
+    assert gpu_throughput.parts(parser.parse_args(["--models", "llama-3-8b"])) == (["llama-3-8b"], False)
+    assert gpu_throughput.parts(parser.parse_args(["--kernels"])) == ([], True)
+    assert gpu_throughput.parts(parser.parse_args(["--models", "llama-3-8b", "--kernels"])) == (["llama-3-8b"], True)
+
+
+def test_continuous_batching_options_a_transformers_lacks_are_left_out_and_named() -> None:
+    """transformers 5.17's ContinuousBatchingConfig has no auto_switch_to_flash (5.24's has): passing it anyway
+    killed the run after conveyor and HF static had finished."""
+    from dataclasses import dataclass
+
+    from bench.gpu_throughput import dataclasses_fields, supported_options
+
+    @dataclass
+    class ConfigOf517:  # the fields that matter here, as 5.17 has them
+        num_blocks: int | None = None
+        max_batch_tokens: int | None = None
+
+    options = {"auto_switch_to_flash": False, "num_blocks": 9, "max_batch_tokens": 256}
+    kept, left_out = supported_options(options, dataclasses_fields(ConfigOf517))
+    assert ConfigOf517(**kept) == ConfigOf517(9, 256) and left_out == ["auto_switch_to_flash"]
 
 
 @pytest.mark.parametrize("command", [["--models", "qwen3-0.6b"], ["--models", "llama-3-8b"], ["--kernels"]])

@@ -45,10 +45,9 @@ def case(request, tmp_path_factory):
     return str(folder), prompts, hf_greedy(hf, prompts, MAX_TOKENS, eos=None)
 
 
-def generate(folder: str, prompts: list[list[int]], device: str, **options: object) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(model=folder, dtype="float32", device=device, kernel_backend="triton", **options)
+def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    return llm, [list(o.outputs[0].token_ids) for o in outputs]
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def check_engine(llm: LLM, setup: str) -> None:
@@ -65,7 +64,8 @@ def check_engine(llm: LLM, setup: str) -> None:
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_triton_backend_matches_hf_on_cpu(case, setup):
     folder, prompts, expected = case
-    llm, got = generate(folder, prompts, "cpu", **SETUPS[setup])
+    llm = LLM(model=folder, dtype="float32", device="cpu", kernel_backend="triton", **SETUPS[setup])
+    got = generate(llm, prompts)
     assert llm.engine.kernel_backend == "triton"
     assert got == expected
     check_engine(llm, setup)
@@ -75,10 +75,11 @@ def test_triton_backend_matches_hf_on_cpu(case, setup):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("graphs", [True, False], ids=["cuda_graphs", "eager"])
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_cuda_engine_matches_hf(case, setup, graphs):
+def test_cuda_engine_matches_hf(case, setup, graphs, cuda_llm):
     folder, prompts, expected = case
     options = {**SETUPS[setup], "cuda_graph_max_batch_size": 8 if graphs else 0}
-    llm, got = generate(folder, prompts, "cuda", **options)
+    llm = cuda_llm(folder, dtype="float32", kernel_backend="triton", **options)
+    got = generate(llm, prompts)
     assert (llm.engine.runner.decode_graphs is not None) == graphs
     assert got == expected
     check_engine(llm, setup)
@@ -101,13 +102,13 @@ SYNC_FREE_SETUPS = {
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("setup", list(SYNC_FREE_SETUPS))
-def test_cuda_step_waits_for_the_gpu_only_to_read_sampled_tokens(case, setup):
+def test_cuda_step_waits_for_the_gpu_only_to_read_sampled_tokens(case, setup, cuda_llm):
     """Inside the runner (block moves, inputs, forward pass, graph replay, sampling) nothing makes
     the host wait for the GPU; the engine reads the sampled tokens after the runner returns.
     tests/engine/test_cuda_path.py guards the same on the CPU."""
     folder, prompts, _ = case
     options, params = SYNC_FREE_SETUPS[setup]
-    llm = LLM(model=folder, dtype="float32", device="cuda", **options)
+    llm = cuda_llm(folder, dtype="float32", **options)
     runner = llm.engine.runner
     execute = runner.execute
     moved = {"copy": 0, "swap": 0}
