@@ -2,13 +2,13 @@
 
 The bodies are strict pydantic models: a temperature of "0.7" or a max_tokens of true is a client bug worth
 reporting, not coercing; every field is either honoured or refused (an unknown one fails its line). An endpoint adds
-its body here (or, like `/v1/responses`, in a module of its own: `responses_api`), its line check in `validation` and
-its answer in `records`. docs/openai_compatibility.md lists every field and what becomes of it.
+its body here (or, like `/v1/responses`, in a module of its own: `responses_api`) and its format in `jobs.formats`,
+which reads the body and writes the answer. docs/openai_compatibility.md lists every field and what becomes of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol, get_args
 
@@ -18,7 +18,6 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputParams
 from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
 from jobs.openai_format.tool_calls import ChatToolCall, Tool, ToolCallPlan, ToolChoice
-from jobs.served_models import ModelKind
 
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
@@ -27,12 +26,6 @@ COMPLETIONS: Endpoint = "/v1/completions"
 EMBEDDINGS: Endpoint = "/v1/embeddings"
 RESPONSES: Endpoint = "/v1/responses"
 EncodingFormat = Literal["float", "base64"]
-MODEL_KINDS: dict[Endpoint, ModelKind] = {
-    CHAT_COMPLETIONS: "generation",
-    COMPLETIONS: "generation",
-    EMBEDDINGS: "embedding",
-    RESPONSES: "generation",
-}  # which kind of served model answers an endpoint's lines
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
@@ -225,13 +218,12 @@ class BatchRequest:
     """A valid line, ready for `LLM.generate`: one engine request per prompt, all with the same parameters."""
 
     custom_id: str
-    url: Endpoint
+    url: str  # its endpoint format's (`jobs.formats.registry`)
     prompts: list[list[int]]  # token ids; only a completions line may hold more than one prompt
     sampling_params: SamplingParams
-    echo_texts: list[str] | None = None  # completions' echo: each prompt as text, put before its choices' text
-    # /v1/responses: what the response object repeats of its request (`ResponsesBody.echoed`)
-    response_fields: Mapping[str, Any] | None = None
     tool_calls: ToolCallPlan | None = None  # tools are on: look for calls in the output
+    # What the format's answer needs of its request: completions' echo texts, what a response object repeats
+    context: object = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from engine.structured_output import StructuredOutputParams
+from jobs.openai_format.responses import AnswerBody, TokenCounts
 from jobs.openai_format.requests import ChatMessage, NotStreamed, ServiceTier, StrictBody
 from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
 from jobs.openai_format.tool_calls import (
@@ -328,7 +329,7 @@ class ResponseTextFormat(BaseModel):
     format: dict[str, str] = Field(default_factory=lambda: {"type": "text"})
 
 
-class ResponseObject(BaseModel):
+class ResponseObject(AnswerBody):
     id: str
     object: Literal["response"] = "response"
     created_at: int
@@ -349,6 +350,9 @@ class ResponseObject(BaseModel):
     metadata: dict[str, str]
     user: str | None
     usage: ResponseUsage
+
+    def token_counts(self) -> TokenCounts:
+        return TokenCounts(self.usage.input_tokens, self.usage.output_tokens, self.usage.input_tokens_details.cached_tokens)
 
 
 def response_object(

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from jobs.models import Batch, File
 from jobs.openai_format.records import error_record
 from jobs.openai_format.requests import BatchRequest, EmbeddingRequest
-from jobs.openai_format.responses import BatchOutputLine, Usage
-from jobs.openai_format.responses_api import ResponseUsage
+from jobs.openai_format.responses import BatchOutputLine
 from jobs.openai_format.validation import BatchLineValidator, LineError
 from jobs.run.finalize import compose_file
 from jobs.run.kinds import ChunkResult, EngineHandle, FinishedChunks, TokenUsage
@@ -128,9 +127,4 @@ def line_usage(record: BatchOutputLine) -> TokenUsage:
     """A line's tokens as the Batch `usage` counts them: the input's (prompt or texts embedded) and the output's."""
     if record.response is None:
         return TokenUsage()
-    usage = record.response.body.usage
-    if isinstance(usage, Usage):
-        return TokenUsage(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
-    if isinstance(usage, ResponseUsage):
-        return TokenUsage(usage.input_tokens, usage.output_tokens, usage.input_tokens_details.cached_tokens)
-    return TokenUsage(usage.prompt_tokens, 0, 0)  # embeddings: input only
+    return TokenUsage(*record.response.body.token_counts())

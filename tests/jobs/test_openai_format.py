@@ -575,7 +575,7 @@ def test_echo_puts_the_prompt_before_each_choice() -> None:
     body = as_json(response_record(request, [result], model="m", tokenizer=WordTokenizer()))["response"]["body"]
     assert [choice["text"] for choice in body["choices"]] == ["one two three", "one two four"]
     by_ids = accepted(validator().validate(completion_line("i", prompt=[5, 6], echo=True)))
-    assert by_ids.echo_texts == ["<5><6>"]  # token-id prompts echo their decoded text
+    assert by_ids.context == ["<5><6>"]  # token-id prompts echo their decoded text
 
 
 def test_echo_with_logprobs_reports_the_prompt_tokens_first_as_openai_does() -> None:
