@@ -85,12 +85,13 @@ def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
         settings.embedding_model,
         lambda: Embedder(settings.embedding_model, dtype=settings.dtype, device=settings.device),
     )
-    generation = GenerationKind(engine_handle, store, stop_flags, settings.chunk_size)
+    limits = settings.batch_limits()
+    generation = GenerationKind(engine_handle, store, stop_flags, settings.chunk_size, limits)
     kinds: dict[str, JobKind] = {
         CHAT_COMPLETIONS: generation,
         COMPLETIONS: generation,
         RESPONSES: generation,
-        EMBEDDINGS: EmbeddingsKind(engine_handle, store, embedder, settings.chunk_size),
+        EMBEDDINGS: EmbeddingsKind(engine_handle, store, embedder, settings.chunk_size, limits),
         RAG_ENDPOINT: RagKind(settings=settings, store=store, stop_flags=stop_flags, engine=engine_handle, embedder=embedder),
     }
     return Pipeline(

@@ -115,6 +115,10 @@ class Pipeline:
                 f"the input file is not JSONL: no line is a JSON object ({tally.first_problem})",
             )
             return
+        refusal = lines.refusal(tally)
+        if refusal is not None:
+            self._fail(batch_id, *refusal)
+            return
         recorded = ledger.record_chunks(self.sessions, batch_id, chunks, tally)
         if recorded is not None:
             self._enqueue(batch_id, recorded)
