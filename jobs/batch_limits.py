@@ -1,4 +1,5 @@
-"""How large one batch may be: OpenAI's limits for `/v1/batches` (each a setting, `jobs.settings`).
+"""How large one batch may be: OpenAI's limits for `/v1/batches`, Anthropic's for `/v1/messages/batches` (each a
+setting, `jobs.settings`; Anthropic's are checked where its requests arrive, `jobs.message_batches`).
 
 The input file's size is known when the batch is created, and refused then (`check_input_size`); its count of
 requests, and of embedding inputs across an embeddings batch's lines, once validate has read every line: a batch
@@ -45,3 +46,11 @@ class BatchLimits:
                 "with a smaller batch."
             )
         return None
+
+
+@dataclass(frozen=True)
+class MessageBatchLimits:
+    """Anthropic's limits on one Message Batch, whose requests arrive inline: both are checked at creation."""
+
+    max_requests: int  # requests in one batch
+    max_bytes: int  # bytes of one batch's requests, as its input file holds them

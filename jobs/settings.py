@@ -27,7 +27,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSetti
 
 from engine.config import EngineConfig
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
-from jobs.batch_limits import BatchLimits
+from jobs.batch_limits import BatchLimits, MessageBatchLimits
 from jobs.served_models import DEFAULT_ANNOUNCE_TTL_SECONDS, parse_aliases
 
 ENV_PREFIX = "CONVEYOR_"
@@ -140,6 +140,16 @@ class Settings(BaseSettings):
         description="texts: the most embedding inputs across all lines of one `/v1/embeddings` batch (OpenAI's limit); "
         "more fails the batch at validation with `too_many_tasks`",
     )
+    max_message_batch_requests: Annotated[int, Integer] = Field(
+        100_000,
+        description="requests: the most one Anthropic Message Batch may hold (Anthropic's limit); more is refused at "
+        "creation (400)",
+    )
+    max_message_batch_bytes: Annotated[int, Integer] = Field(
+        256_000_000,
+        description="bytes: the largest a Message Batch's requests may be, as JSONL lines (Anthropic's 256 MB); "
+        "larger is refused at creation (413)",
+    )
     max_form_field_bytes: Annotated[int, Integer] = Field(
         4096, description="bytes: one text field's value in a `POST /v1/files` form (`purpose`); 400 above"
     )
@@ -207,6 +217,8 @@ class Settings(BaseSettings):
             "max_batch_requests",
             "max_batch_input_bytes",
             "max_batch_embedding_inputs",
+            "max_message_batch_requests",
+            "max_message_batch_bytes",
             "max_form_field_bytes",
             "max_form_part_header_bytes",
         ):
@@ -221,6 +233,10 @@ class Settings(BaseSettings):
     def batch_limits(self) -> BatchLimits:
         """OpenAI's limits on one batch, as configured."""
         return BatchLimits(self.max_batch_requests, self.max_batch_input_bytes, self.max_batch_embedding_inputs)
+
+    def message_batch_limits(self) -> MessageBatchLimits:
+        """Anthropic's limits on one Message Batch, as configured."""
+        return MessageBatchLimits(self.max_message_batch_requests, self.max_message_batch_bytes)
 
     @classmethod
     def settings_customise_sources(

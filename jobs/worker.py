@@ -28,6 +28,7 @@ from jobs import enqueue
 from jobs.batches import RAG_ENDPOINT
 from jobs.celery_app import CONTROL_QUEUE, celery_app
 from jobs.db import make_engine, make_session_factory
+from jobs.formats.anthropic_messages import MESSAGES
 from jobs.lazy_embedder import LazyEmbedder
 from jobs.openai_format.requests import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES
 from jobs.rag.kind import RagKind
@@ -91,6 +92,7 @@ def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
         CHAT_COMPLETIONS: generation,
         COMPLETIONS: generation,
         RESPONSES: generation,
+        MESSAGES: generation,
         EMBEDDINGS: EmbeddingsKind(engine_handle, store, embedder, settings.chunk_size, limits),
         RAG_ENDPOINT: RagKind(settings=settings, store=store, stop_flags=stop_flags, engine=engine_handle, embedder=embedder),
     }

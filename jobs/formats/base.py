@@ -82,6 +82,8 @@ class GeneratedSequence(Protocol):
     @property
     def finish_reason(self) -> str | None: ...
     @property
+    def stop_reason(self) -> str | int | None: ...  # the stop string or stop token id that ended it
+    @property
     def logprobs(self) -> Sequence[Mapping[int, float]] | None: ...  # per token: id -> logprob, sampled + top-N
 
 
