@@ -76,19 +76,22 @@ class ToolResultBlock(StrictBody):
 
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] = ""
+    content: Annotated[list[TextBlock], BeforeValidator(_as_blocks)] = []  # a string: one text block
     is_error: bool | None = None  # the template sees the text either way; an error reads as what it says
     cache_control: CacheControl | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "\n".join(block.text for block in self.content)
+        return "\n".join(block.text for block in self.content)
 
 
 _UNREAD_BLOCKS = ("image", "document", "thinking", "redacted_thinking", "search_result", "server_tool_use")
 
 
-def _text_blocks_only(content: object) -> object:
-    """Blocks a text-only model cannot take are refused by name, rather than by pydantic's list of type errors."""
+def _as_blocks(content: object) -> object:
+    """A string is one text block. Blocks a text-only model cannot take are refused by name, rather than by
+    pydantic's list of type errors."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
     for block in content if isinstance(content, list) else []:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in _UNREAD_BLOCKS:
@@ -109,21 +112,18 @@ ContentBlock = Annotated[
 
 class Message(StrictBody):
     role: Literal["user", "assistant"]
-    content: Annotated[str | list[ContentBlock], BeforeValidator(_text_blocks_only)]
+    content: Annotated[list[ContentBlock], BeforeValidator(_as_blocks)]  # a string: one text block
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self) -> "Message":
-        blocks = self.content if isinstance(self.content, list) else []
-        if self.role == "user" and any(isinstance(block, ToolUseBlock) for block in blocks):
+        if self.role == "user" and any(isinstance(block, ToolUseBlock) for block in self.content):
             raise ValueError("tool_use blocks belong to assistant messages")
-        if self.role == "assistant" and any(isinstance(block, ToolResultBlock) for block in blocks):
+        if self.role == "assistant" and any(isinstance(block, ToolResultBlock) for block in self.content):
             raise ValueError("tool_result blocks belong to user messages")
         return self
 
     def chat_turns(self) -> list[ChatMessage]:
         """This message as chat turns: a user's tool results first (one tool turn each), then its text."""
-        if isinstance(self.content, str):
-            return [ChatMessage(role=self.role, content=self.content)]
         text = "\n".join(block.text for block in self.content if isinstance(block, TextBlock))
         calls = [
             ChatToolCall(
@@ -184,7 +184,7 @@ class MessagesBody(StrictBody):
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
+    system: Annotated[list[TextBlock], BeforeValidator(_as_blocks)] | None = None  # a string: one text block
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = None
@@ -201,8 +201,7 @@ class MessagesBody(StrictBody):
     def chat_messages(self) -> list[ChatMessage]:
         turns: list[ChatMessage] = []
         if self.system is not None:
-            system = self.system if isinstance(self.system, str) else "\n".join(block.text for block in self.system)
-            turns.append(ChatMessage(role="system", content=system))
+            turns.append(ChatMessage(role="system", content="\n".join(block.text for block in self.system)))
         for message in self.messages:
             turns += message.chat_turns()
         return turns

@@ -380,6 +380,7 @@ class FakeSample:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
 
 
 @dataclass
