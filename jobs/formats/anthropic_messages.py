@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from jobs.formats.base import Generation, GenerationResult, LineReader, parse_body
+from jobs.openai_format.reasoning import split_reasoning
 from jobs.openai_format.requests import BatchRequest, ChatMessage, NotStreamed, PromptTokenizer, StrictBody
 from jobs.openai_format.responses import AnswerBody, TokenCounts
 from jobs.openai_format.tool_calls import (
@@ -217,6 +218,14 @@ class MessagesBody(StrictBody):
 # The answer
 
 
+class ThinkingOut(BaseModel):
+    """The thinking of a model whose template thinks (jobs.openai_format.reasoning), before the answer."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""  # Anthropic signs its models' thinking; there is nothing to verify here
+
+
 class TextOut(BaseModel):
     type: Literal["text"] = "text"
     text: str
@@ -244,7 +253,7 @@ class MessageObject(AnswerBody):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextOut | ToolUseOut]
+    content: list[ThinkingOut | TextOut | ToolUseOut]
     stop_reason: StopReason
     stop_sequence: str | None
     usage: MessageUsage
@@ -269,13 +278,15 @@ class AnthropicMessages:
             choice.chat_tool_choice() if choice is not None else None,
             None if choice is None or choice.disable_parallel_tool_use is None else not choice.disable_parallel_tool_use,
         )
+        prompt = line.encode_chat(params.chat_messages(), tools if plan is not None else None)
         generation = Generation(
-            prompts=[line.encode_chat(params.chat_messages(), tools if plan is not None else None)],
+            prompts=[prompt.token_ids],
             requested_max_tokens=params.max_tokens,
             default_max_tokens=None,
             sampling=params.sampling_kwargs(),
             constraint=constraint,
             tool_calls=plan,
+            reasoning=prompt.reasoning,
         )
         return line.request(custom_id, self.url, generation)
 
@@ -290,8 +301,14 @@ class AnthropicMessages:
     ) -> MessageObject:
         (result,) = results  # one prompt, one sample: Messages has no n
         sample = result.outputs[0]
-        text, calls = parse_tool_calls(sample.text, request.tool_calls) if request.tool_calls else (sample.text, [])
-        content: list[TextOut | ToolUseOut] = [TextOut(text=text or "")] if text or not calls else []
+        split = split_reasoning(sample.text, request.reasoning) if request.reasoning else None
+        answer = sample.text if split is None else split.answer  # calls are looked for after the thinking
+        text, calls = parse_tool_calls(answer, request.tool_calls) if request.tool_calls else (answer, [])
+        content: list[ThinkingOut | TextOut | ToolUseOut] = []
+        if split is not None and split.reasoning is not None:
+            content.append(ThinkingOut(thinking=split.reasoning))
+        if text or not calls:
+            content.append(TextOut(text=text or ""))
         content += [
             ToolUseOut(id="toolu_" + call.id.removeprefix("call_"), name=call.function.name, input=json.loads(call.function.arguments))
             for call in calls

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from engine.structured_output import StructuredOutputParams
+from jobs.openai_format.reasoning import ReasoningPlan
 from jobs.openai_format.requests import BatchRequest, ChatMessage, EmbeddingRequest, PromptTokenizer
 from jobs.openai_format.responses import AnswerBody, ErrorCode, TokenCounts
 from jobs.openai_format.tool_calls import Tool, ToolCallPlan, ToolChoice
@@ -28,6 +29,14 @@ class LineRejected(Exception):
 
 
 @dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation rendered by the model's chat template."""
+
+    token_ids: list[int]
+    reasoning: ReasoningPlan | None  # the template thinks, and this prompt lets it (`jobs.openai_format.reasoning`)
+
+
+@dataclass(frozen=True)
 class Generation:
     """What a generating format reads from a body; the validator fits it to the model (`LineReader.request`)."""
 
@@ -41,6 +50,7 @@ class Generation:
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias
     tool_calls: ToolCallPlan | None = None
     context: object = None  # what the format's answer needs of its request (`BatchRequest.context`)
+    reasoning: ReasoningPlan | None = None  # a chat prompt's (`ChatPrompt.reasoning`): constraints wait for the answer
 
 
 class LineReader(Protocol):
@@ -61,7 +71,11 @@ class LineReader(Protocol):
         """The line's tool plan and its one output constraint (a format, or the tool calls')."""
         ...
 
-    def encode_chat(self, messages: list[ChatMessage], tools: list[Tool] | None) -> list[int]: ...
+    def encode_chat(
+        self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
+    ) -> ChatPrompt:
+        """The conversation rendered (with the tools' prompt, and `template_kwargs` as the template's variables)."""
+        ...
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]: ...
 

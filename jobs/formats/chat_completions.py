@@ -19,12 +19,14 @@ from jobs.formats.base import (
     token_text,
 )
 from jobs.openai_format.requests import CHAT_COMPLETIONS, BatchRequest, ChatCompletionBody, PromptTokenizer
+from jobs.openai_format.reasoning import SplitText, reasoning_token_count, split_reasoning
 from jobs.openai_format.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletion,
     ChatTokenLogprob,
+    CompletionTokensDetails,
     FinishReason,
     PromptTokensDetails,
     TokenCounts,
@@ -43,8 +45,9 @@ class ChatCompletions:
         chat = parse_body(ChatCompletionBody, body)
         line.check_model(chat.model, "generation")
         plan, constraint = line.with_tools(chat.constraint(), chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+        prompt = line.encode_chat(chat.messages, chat.tools if plan is not None else None, chat.chat_template_kwargs)
         generation = Generation(
-            prompts=[line.encode_chat(chat.messages, chat.tools if plan is not None else None)],
+            prompts=[prompt.token_ids],
             requested_max_tokens=chat.max_tokens if chat.max_completion_tokens is None else chat.max_completion_tokens,
             default_max_tokens=None,
             sampling=chat.sampling_kwargs(),
@@ -52,6 +55,7 @@ class ChatCompletions:
             logprobs=_logprobs_count(chat),
             logit_bias=chat.logit_bias,
             tool_calls=plan,
+            reasoning=prompt.reasoning,
         )
         return line.request(custom_id, self.url, generation)
 
@@ -67,25 +71,37 @@ class ChatCompletions:
         (result,) = results
         wants_logprobs = request.sampling_params.logprobs is not None
         top_n = request.sampling_params.logprobs or 0
+        samples = in_index_order(result)
+        splits = [split_reasoning(sample.text, request.reasoning) if request.reasoning else None for sample in samples]
+        reasoning_tokens = None
+        if request.reasoning is not None:
+            reasoning_tokens = sum(
+                reasoning_token_count(sample.token_ids, split, tokenizer)
+                for sample, split in zip(samples, splits, strict=True)
+                if split is not None
+            )
         return ChatCompletion(
             id=random_id("chatcmpl-"),
             created=int(time.time()),
             model=model,
-            usage=openai_usage(counts),
+            usage=openai_usage(counts, reasoning_tokens),
             choices=[
-                _choice(sample, request.tool_calls, _logprobs(sample, top_n, tokenizer) if wants_logprobs else None)
-                for sample in in_index_order(result)
+                _choice(
+                    sample, split, request.tool_calls, _logprobs(sample, top_n, tokenizer) if wants_logprobs else None
+                )
+                for sample, split in zip(samples, splits, strict=True)
             ],
         )
 
 
-def openai_usage(counts: TokenCounts) -> Usage:
-    """Chat and completions' usage object."""
+def openai_usage(counts: TokenCounts, reasoning_tokens: int | None = None) -> Usage:
+    """Chat and completions' usage object; `reasoning_tokens` for a model that thinks."""
     return Usage(
         prompt_tokens=counts.input_tokens,
         completion_tokens=counts.output_tokens,
         total_tokens=counts.input_tokens + counts.output_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached_tokens),
+        completion_tokens_details=None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
     )
 
 
@@ -95,14 +111,19 @@ def _logprobs_count(chat: ChatCompletionBody) -> int | None:
     return (chat.top_logprobs or 0) if chat.logprobs else None
 
 
-def _choice(sample: GeneratedSequence, plan: ToolCallPlan | None, logprobs: ChatChoiceLogprobs | None) -> ChatChoice:
+def _choice(
+    sample: GeneratedSequence, split: SplitText | None, plan: ToolCallPlan | None, logprobs: ChatChoiceLogprobs | None
+) -> ChatChoice:
     finish_reason = cast(FinishReason, sample.finish_reason)  # aborted samples were answered before
-    content, calls = parse_tool_calls(sample.text, plan) if plan is not None else (sample.text, [])
+    text = sample.text if split is None else split.answer  # calls are looked for after the thinking
+    content, calls = parse_tool_calls(text, plan) if plan is not None else (text, [])
     if calls and finish_reason == "stop":
         finish_reason = "tool_calls"
     return ChatChoice(
         index=sample.index,
-        message=AssistantMessage(content=content, tool_calls=calls or None),
+        message=AssistantMessage(
+            content=content, tool_calls=calls or None, reasoning_content=split.reasoning if split is not None else None
+        ),
         logprobs=logprobs,
         finish_reason=finish_reason,
     )

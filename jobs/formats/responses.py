@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from jobs.formats.base import Generation, GenerationResult, LineReader, parse_body
+from jobs.openai_format.reasoning import reasoning_token_count, split_reasoning
 from jobs.openai_format.requests import RESPONSES, BatchRequest, PromptTokenizer
 from jobs.openai_format.responses import FinishReason, TokenCounts
 from jobs.openai_format.responses_api import ResponseObject, ResponsesBody, response_object
@@ -28,14 +29,16 @@ class Responses:
             responses.chat_tool_choice(),
             responses.parallel_tool_calls if tools else None,  # without tools it asks nothing
         )
+        prompt = line.encode_chat(responses.messages(), tools if plan is not None else None)
         generation = Generation(
-            prompts=[line.encode_chat(responses.messages(), tools if plan is not None else None)],
+            prompts=[prompt.token_ids],
             requested_max_tokens=responses.max_output_tokens,
             default_max_tokens=None,
             sampling=responses.model_dump(include={"temperature", "top_p"}, exclude_none=True),
             constraint=constraint,
             tool_calls=plan,
             context=responses.echoed(),  # what the response object repeats of its request
+            reasoning=prompt.reasoning,
         )
         return line.request(custom_id, self.url, generation)
 
@@ -50,10 +53,14 @@ class Responses:
     ) -> ResponseObject:
         (result,) = results  # one prompt, one sample: the endpoint has no n
         sample = result.outputs[0]
-        text, calls = parse_tool_calls(sample.text, request.tool_calls) if request.tool_calls else (sample.text, [])
+        split = split_reasoning(sample.text, request.reasoning) if request.reasoning else None
+        answer = sample.text if split is None else split.answer  # calls are looked for after the thinking
+        text, calls = parse_tool_calls(answer, request.tool_calls) if request.tool_calls else (answer, [])
         return response_object(
             text=text,
             calls=calls,
+            reasoning=split.reasoning if split is not None else None,
+            reasoning_tokens=reasoning_token_count(sample.token_ids, split, tokenizer) if split is not None else 0,
             finish_reason=cast(FinishReason, sample.finish_reason),
             model=model,
             echoed=dict(cast(Mapping[str, Any], request.context)),

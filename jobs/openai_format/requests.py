@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputParams
+from jobs.openai_format.reasoning import ReasoningPlan
 from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
 from jobs.openai_format.tool_calls import ChatToolCall, Tool, ToolCallPlan, ToolChoice
 
@@ -47,7 +48,11 @@ class PromptTokenizer(Protocol):
     def chat_template(self) -> str | None: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str: ...
 
 
@@ -149,6 +154,17 @@ class _SamplingFields(StrictBody):
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
+# What the chat template is given by conveyor itself (and the tokenizer's special tokens, which it also passes)
+_TEMPLATE_ARGUMENTS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"}
+
+
+def _free_template_variables(variables: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(_TEMPLATE_ARGUMENTS & set(variables))
+    if taken:
+        raise ValueError(f"{taken} are set by conveyor itself, not by chat_template_kwargs")
+    return variables
+
+
 def _not_streamed(stream: bool | None) -> bool | None:
     if stream:
         raise ValueError("stream=true is not supported: a batch line is answered by one response, not a stream")
@@ -176,6 +192,8 @@ class ChatCompletionBody(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extension: variables for the chat template, e.g. Qwen3's {"enable_thinking": false}
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_free_template_variables)] | None = None
 
 
 def _embedding_texts(value: object) -> object:
@@ -224,6 +242,7 @@ class BatchRequest:
     tool_calls: ToolCallPlan | None = None  # tools are on: look for calls in the output
     # What the format's answer needs of its request: completions' echo texts, what a response object repeats
     context: object = None
+    reasoning: ReasoningPlan | None = None  # the output may think first: its answer splits the thinking off
 
 
 @dataclass(frozen=True)

@@ -51,11 +51,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens read from the engine's prefix cache instead of computed
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # of completion_tokens: the thinking, up to and including its closing tag
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Only for models that think (jobs.openai_format.reasoning): absent otherwise, as before they were served
+    completion_tokens_details: CompletionTokensDetails | None = Field(default=None, exclude_if=lambda details: details is None)
 
     def token_counts(self) -> TokenCounts:
         return TokenCounts(self.prompt_tokens, self.completion_tokens, self.prompt_tokens_details.cached_tokens)
@@ -79,6 +85,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: calls is None)  # as OpenAI: absent, not null
+    # vLLM's field: the thinking of a model that thinks, apart from the answer; absent for one that does not
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda reasoning: reasoning is None)
 
 
 class ChatChoice(BaseModel):

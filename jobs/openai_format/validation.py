@@ -41,10 +41,11 @@ from typing import Any
 from engine.admission import AdmissionLimits, AdmissionRefused, admit
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputParams
-from jobs.formats.base import Generation, LineRejected
+from jobs.formats.base import ChatPrompt, Generation, LineRejected
 from jobs.formats.registry import FORMATS
 from jobs.json_lines import UnreadableLine, load_json_line
 from jobs.openai_format.requests import BatchRequest, ChatMessage, EmbeddingRequest, PromptTokenizer
+from jobs.openai_format.reasoning import after_thinking, reasoning_plan
 from jobs.openai_format.responses import ErrorCode
 from jobs.openai_format.structured_output import ConstraintRejected
 from jobs.openai_format.tool_calls import (
@@ -153,12 +154,15 @@ class BatchLineValidator:
         max_tokens = self._fit_max_tokens(longest, generation.requested_max_tokens, generation.default_max_tokens)
         try:
             bias = self._logit_bias(generation.logit_bias)
+            constraint = generation.constraint
+            if constraint is not None and generation.reasoning is not None:  # the answer is constrained, not the thinking
+                constraint = after_thinking(constraint, generation.reasoning)
             params = SamplingParams(
                 **generation.sampling,
                 max_tokens=max_tokens,
                 logprobs=generation.logprobs,
                 prompt_logprobs=generation.prompt_logprobs,
-                structured_output=generation.constraint,
+                structured_output=constraint,
                 logit_bias=bias,
             )
         except ValueError as invalid:
@@ -168,7 +172,9 @@ class BatchLineValidator:
                 params = admit(longest, params, self._limits)
             except AdmissionRefused as refused:
                 raise LineRejected("request_too_large", str(refused)) from None
-        return BatchRequest(custom_id, url, generation.prompts, params, generation.tool_calls, generation.context)
+        return BatchRequest(
+            custom_id, url, generation.prompts, params, generation.tool_calls, generation.context, generation.reasoning
+        )
 
     def with_tools(
         self,
@@ -211,7 +217,9 @@ class BatchLineValidator:
         self._check_vocabulary("logit_bias", list(bias))
         return bias
 
-    def encode_chat(self, messages: list[ChatMessage], tools: list[Tool] | None) -> list[int]:
+    def encode_chat(
+        self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
+    ) -> ChatPrompt:
         # Templates rarely know OpenAI's newer "developer" role; it means what "system" always meant.
         # A message's `name` goes to the template too: templates that have a place for it (e.g. Llama 3's tool turns,
         # some Mistral ones) use it, the rest leave it out, as with OpenAI's own models.
@@ -227,11 +235,14 @@ class BatchLineValidator:
             conversation = generic_tool_prompt(conversation, tools)
         try:
             tools_argument = {"tools": template_tools} if template_tools else {}
-            text = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **tools_argument)
+            text = self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, **tools_argument, **(template_kwargs or {})
+            )
         except Exception as failure:  # the template is the model's code; it may refuse a conversation by raising
             raise LineRejected("invalid_body", f"the model's chat template rejected 'messages': {failure}") from None
         # The template already wrote the special tokens; adding them again would double the BOS.
-        return self._non_empty(self._tokenizer.encode(text, add_special_tokens=False))
+        token_ids = self._non_empty(self._tokenizer.encode(text, add_special_tokens=False))
+        return ChatPrompt(token_ids, reasoning_plan(self._tokenizer.chat_template, text))
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
