@@ -24,10 +24,10 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 
-class TextEncoder(Protocol):
+class TextDecoder(Protocol):
     """The part of the model's tokenizer that counts reasoning tokens."""
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -65,17 +65,21 @@ def split_reasoning(text: str, plan: ReasoningPlan) -> SplitText:
     return SplitText(reasoning.strip(), answer.lstrip(), bool(found))
 
 
-def reasoning_token_count(token_ids: Sequence[int], split: SplitText, tokenizer: TextEncoder) -> int:
-    """Generated tokens up to and including `</think>`: all of them when the output was cut while thinking."""
+def reasoning_token_count(token_ids: Sequence[int], split: SplitText, tokenizer: TextDecoder) -> int:
+    """Generated tokens up to and including `</think>` (however the model spelt it in tokens): the shortest prefix
+    whose text holds it, found by bisection; all of them when the output was cut while thinking."""
     if split.reasoning is None:
         return 0
     if not split.finished_thinking:
         return len(token_ids)
-    end = tokenizer.encode(THINK_END, add_special_tokens=False)
-    for start in range(len(token_ids) - len(end) + 1):
-        if list(token_ids[start : start + len(end)]) == end:
-            return start + len(end)
-    return len(token_ids)  # `</think>` written across other token boundaries: count the whole sample
+    low, high = 1, len(token_ids)  # the text of token_ids[:high] holds `</think>`
+    while low < high:
+        middle = (low + high) // 2
+        if THINK_END in tokenizer.decode(token_ids[:middle], skip_special_tokens=False):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def after_thinking(constraint: StructuredOutputParams, plan: ReasoningPlan) -> StructuredOutputParams:
