@@ -34,7 +34,9 @@ class WordTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(f"<{token_id}>" for token_id in token_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         turns = " ".join(f"[{message['role']}] {message['content']}" for message in messages)
         return turns + (" [assistant]" if add_generation_prompt else "")
 
