@@ -211,7 +211,8 @@ def request_counts(row: Row[Any] | Batch) -> RequestCounts:
     if row.status not in ENDED:
         return RequestCounts(processing=total, succeeded=0, errored=0, canceled=0, expired=0)
     if row.status == BatchStatus.failed:
-        return RequestCounts(processing=0, succeeded=row.completed_requests, errored=total - row.completed_requests, canceled=0, expired=0)
+        succeeded = row.completed_requests
+        return RequestCounts(processing=0, succeeded=succeeded, errored=total - succeeded, canceled=0, expired=0)
     unrun = total - row.completed_requests - row.failed_requests
     return RequestCounts(
         processing=0,

@@ -310,7 +310,9 @@ class AnthropicMessages:
         if text or not calls:
             content.append(TextOut(text=text or ""))
         content += [
-            ToolUseOut(id="toolu_" + call.id.removeprefix("call_"), name=call.function.name, input=json.loads(call.function.arguments))
+            ToolUseOut(
+                id="toolu_" + call.id.removeprefix("call_"), name=call.function.name, input=json.loads(call.function.arguments)
+            )
             for call in calls
         ]
         stop_sequence = sample.stop_reason if isinstance(sample.stop_reason, str) else None

@@ -101,7 +101,9 @@ def openai_usage(counts: TokenCounts, reasoning_tokens: int | None = None) -> Us
         completion_tokens=counts.output_tokens,
         total_tokens=counts.input_tokens + counts.output_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached_tokens),
-        completion_tokens_details=None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
+        completion_tokens_details=(
+            None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        ),
     )
 
 

@@ -85,10 +85,10 @@ def reasoning_token_count(token_ids: Sequence[int], split: SplitText, tokenizer:
 def after_thinking(constraint: StructuredOutputParams, plan: ReasoningPlan) -> StructuredOutputParams:
     """The constraint, applied after the thinking: any text up to `</think>` (opened by the model itself unless the
     prompt opened it), then what the constraint asks for."""
-    thinking = {"type": "tag", "begin": "" if plan.opened else THINK_START, "content": {"type": "any_text"}, "end": THINK_END}
-    return StructuredOutputParams(
-        structural_tag={"type": "structural_tag", "format": {"type": "sequence", "elements": [thinking, _format_of(constraint)]}}
-    )
+    begin = "" if plan.opened else THINK_START
+    thinking = {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": THINK_END}
+    answer = {"type": "sequence", "elements": [thinking, _format_of(constraint)]}
+    return StructuredOutputParams(structural_tag={"type": "structural_tag", "format": answer})
 
 
 def _format_of(constraint: StructuredOutputParams) -> dict[str, Any]:
