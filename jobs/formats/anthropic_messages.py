@@ -20,8 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Discriminator, Field, Tag, model_validator
 
-from jobs.formats.base import Generation, GenerationResult, LineReader, parse_body
-from jobs.openai_format.reasoning import split_reasoning
+from jobs.formats.base import Generation, GenerationResult, LineReader, parse_body, read_sample
 from jobs.openai_format.requests import BatchRequest, ChatMessage, NotStreamed, PromptTokenizer, StrictBody
 from jobs.openai_format.responses import AnswerBody, TokenCounts
 from jobs.openai_format.tool_calls import (
@@ -32,7 +31,6 @@ from jobs.openai_format.tool_calls import (
     NamedToolChoice,
     Tool,
     ToolChoice,
-    parse_tool_calls,
 )
 from jobs.served_models import ModelKind
 
@@ -301,12 +299,11 @@ class AnthropicMessages:
     ) -> MessageObject:
         (result,) = results  # one prompt, one sample: Messages has no n
         sample = result.outputs[0]
-        split = split_reasoning(sample.text, request.reasoning) if request.reasoning else None
-        answer = sample.text if split is None else split.answer  # calls are looked for after the thinking
-        text, calls = parse_tool_calls(answer, request.tool_calls) if request.tool_calls else (answer, [])
+        answer = read_sample(sample, request, tokenizer)
+        text, calls = answer.text, answer.calls
         content: list[ThinkingOut | TextOut | ToolUseOut] = []
-        if split is not None and split.reasoning is not None:
-            content.append(ThinkingOut(thinking=split.reasoning))
+        if answer.reasoning is not None:
+            content.append(ThinkingOut(thinking=answer.reasoning))
         if text or not calls:
             content.append(TextOut(text=text or ""))
         content += [

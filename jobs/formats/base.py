@@ -12,10 +12,10 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from engine.structured_output import StructuredOutputParams
-from jobs.openai_format.reasoning import ReasoningPlan
+from jobs.openai_format.reasoning import ReasoningPlan, reasoning_token_count, split_reasoning
 from jobs.openai_format.requests import BatchRequest, ChatMessage, EmbeddingRequest, PromptTokenizer
 from jobs.openai_format.responses import AnswerBody, ErrorCode, TokenCounts
-from jobs.openai_format.tool_calls import Tool, ToolCallPlan, ToolChoice
+from jobs.openai_format.tool_calls import Tool, ToolCall, ToolCallPlan, ToolChoice, parse_tool_calls
 from jobs.served_models import ModelKind
 
 
@@ -170,6 +170,25 @@ def _describe(error: ErrorDetails) -> str:
             return f"invalid '{where}': {error['ctx']['error']}"
         case _:
             return f"invalid '{where}': {error['msg']}"
+
+
+@dataclass(frozen=True)
+class SampleAnswer:
+    """A sample's text read for its answer: the thinking apart (for a model that thinks), then the tool calls."""
+
+    reasoning: str | None  # None: no thinking
+    reasoning_tokens: int  # of the sample's tokens: the thinking's, up to and including its closing tag
+    text: str | None  # what is left around the calls (None when there is none)
+    calls: list[ToolCall]
+
+
+def read_sample(sample: GeneratedSequence, request: BatchRequest, tokenizer: PromptTokenizer) -> SampleAnswer:
+    split = split_reasoning(sample.text, request.reasoning) if request.reasoning is not None else None
+    answer = sample.text if split is None else split.answer  # calls are looked for after the thinking
+    text, calls = parse_tool_calls(answer, request.tool_calls) if request.tool_calls else (answer, [])
+    if split is None:
+        return SampleAnswer(None, 0, text, calls)
+    return SampleAnswer(split.reasoning, reasoning_token_count(sample.token_ids, split, tokenizer), text, calls)
 
 
 def in_index_order(result: GenerationResult) -> list[GeneratedSequence]:

@@ -12,14 +12,15 @@ from jobs.formats.base import (
     GenerationResult,
     LineReader,
     LineRejected,
+    SampleAnswer,
     best_first,
     in_index_order,
     parse_body,
     random_id,
+    read_sample,
     token_text,
 )
 from jobs.openai_format.requests import CHAT_COMPLETIONS, BatchRequest, ChatCompletionBody, PromptTokenizer
-from jobs.openai_format.reasoning import SplitText, reasoning_token_count, split_reasoning
 from jobs.openai_format.responses import (
     AssistantMessage,
     ChatChoice,
@@ -33,7 +34,6 @@ from jobs.openai_format.responses import (
     TopLogprob,
     Usage,
 )
-from jobs.openai_format.tool_calls import ToolCallPlan, parse_tool_calls
 from jobs.served_models import ModelKind
 
 
@@ -72,24 +72,16 @@ class ChatCompletions:
         wants_logprobs = request.sampling_params.logprobs is not None
         top_n = request.sampling_params.logprobs or 0
         samples = in_index_order(result)
-        splits = [split_reasoning(sample.text, request.reasoning) if request.reasoning else None for sample in samples]
-        reasoning_tokens = None
-        if request.reasoning is not None:
-            reasoning_tokens = sum(
-                reasoning_token_count(sample.token_ids, split, tokenizer)
-                for sample, split in zip(samples, splits, strict=True)
-                if split is not None
-            )
+        answers = [read_sample(sample, request, tokenizer) for sample in samples]
+        thinks = request.reasoning is not None
         return ChatCompletion(
             id=random_id("chatcmpl-"),
             created=int(time.time()),
             model=model,
-            usage=openai_usage(counts, reasoning_tokens),
+            usage=openai_usage(counts, sum(answer.reasoning_tokens for answer in answers) if thinks else None),
             choices=[
-                _choice(
-                    sample, split, request.tool_calls, _logprobs(sample, top_n, tokenizer) if wants_logprobs else None
-                )
-                for sample, split in zip(samples, splits, strict=True)
+                _choice(sample, answer, _logprobs(sample, top_n, tokenizer) if wants_logprobs else None)
+                for sample, answer in zip(samples, answers, strict=True)
             ],
         )
 
@@ -113,18 +105,14 @@ def _logprobs_count(chat: ChatCompletionBody) -> int | None:
     return (chat.top_logprobs or 0) if chat.logprobs else None
 
 
-def _choice(
-    sample: GeneratedSequence, split: SplitText | None, plan: ToolCallPlan | None, logprobs: ChatChoiceLogprobs | None
-) -> ChatChoice:
+def _choice(sample: GeneratedSequence, answer: SampleAnswer, logprobs: ChatChoiceLogprobs | None) -> ChatChoice:
     finish_reason = cast(FinishReason, sample.finish_reason)  # aborted samples were answered before
-    text = sample.text if split is None else split.answer  # calls are looked for after the thinking
-    content, calls = parse_tool_calls(text, plan) if plan is not None else (text, [])
-    if calls and finish_reason == "stop":
+    if answer.calls and finish_reason == "stop":
         finish_reason = "tool_calls"
     return ChatChoice(
         index=sample.index,
         message=AssistantMessage(
-            content=content, tool_calls=calls or None, reasoning_content=split.reasoning if split is not None else None
+            content=answer.text, tool_calls=answer.calls or None, reasoning_content=answer.reasoning
         ),
         logprobs=logprobs,
         finish_reason=finish_reason,

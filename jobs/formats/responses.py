@@ -6,12 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from jobs.formats.base import Generation, GenerationResult, LineReader, parse_body
-from jobs.openai_format.reasoning import reasoning_token_count, split_reasoning
+from jobs.formats.base import Generation, GenerationResult, LineReader, parse_body, read_sample
 from jobs.openai_format.requests import RESPONSES, BatchRequest, PromptTokenizer
 from jobs.openai_format.responses import FinishReason, TokenCounts
 from jobs.openai_format.responses_api import ResponseObject, ResponsesBody, response_object
-from jobs.openai_format.tool_calls import parse_tool_calls
 from jobs.served_models import ModelKind
 
 
@@ -53,14 +51,12 @@ class Responses:
     ) -> ResponseObject:
         (result,) = results  # one prompt, one sample: the endpoint has no n
         sample = result.outputs[0]
-        split = split_reasoning(sample.text, request.reasoning) if request.reasoning else None
-        answer = sample.text if split is None else split.answer  # calls are looked for after the thinking
-        text, calls = parse_tool_calls(answer, request.tool_calls) if request.tool_calls else (answer, [])
+        answer = read_sample(sample, request, tokenizer)
         return response_object(
-            text=text,
-            calls=calls,
-            reasoning=split.reasoning if split is not None else None,
-            reasoning_tokens=reasoning_token_count(sample.token_ids, split, tokenizer) if split is not None else 0,
+            text=answer.text,
+            calls=answer.calls,
+            reasoning=answer.reasoning,
+            reasoning_tokens=answer.reasoning_tokens,
             finish_reason=cast(FinishReason, sample.finish_reason),
             model=model,
             echoed=dict(cast(Mapping[str, Any], request.context)),
