@@ -10,7 +10,7 @@ from fastapi import Depends, FastAPI
 from redis import Redis
 from starlette.concurrency import run_in_threadpool
 
-from api import batches, files, models, rag, schedules, webhooks
+from api import batches, files, message_batches, models, rag, schedules, webhooks
 from api.auth import KeyCache
 from api.console import install_console
 from api.deps import reject_unknown_query_parameters
@@ -67,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models.router)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(message_batches.router)
     app.include_router(webhooks.router)
     app.include_router(schedules.router)
     app.include_router(rag.router)

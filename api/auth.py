@@ -108,3 +108,25 @@ async def current_project(request: Request) -> str:
 
 
 ProjectDep = Annotated[str, Depends(current_project)]
+
+
+async def anthropic_project(request: Request) -> str:
+    """The caller's project on Anthropic's paths: the same keys, sent as Anthropic's SDK sends them (`x-api-key`),
+    or as a bearer token (the SDK's `auth_token`)."""
+    secret = request.headers.get("x-api-key", "").strip()
+    if not secret:
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        secret = bearer.strip() if scheme.lower() == "bearer" else ""
+    if not secret:
+        raise ServiceError(
+            "unauthorized",
+            "x-api-key header is required (a conveyor project key: `conveyor keys create --project NAME` makes one)",
+            code="missing_api_key",
+        )
+    project_id = await request.app.state.keys.project_for(secret)
+    if project_id is None:
+        raise ServiceError("unauthorized", "invalid x-api-key", code="invalid_api_key")
+    return project_id
+
+
+AnthropicProjectDep = Annotated[str, Depends(anthropic_project)]

@@ -39,6 +39,7 @@ def create_batch(
             priority=body.priority,
             window_seconds=settings.completion_window_seconds,
             output_expires_after_seconds=body.output_expires_after.seconds if body.output_expires_after else None,
+            max_input_bytes=settings.max_batch_input_bytes,
         )
         return BatchObject.of(batch)
 

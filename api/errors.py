@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, so SDKs raise their usual exceptions.
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, so SDKs raise their usual exceptions;
+on Anthropic's paths (`/v1/messages/...`) in Anthropic's, `{"type": "error", "error": {"type", "message"}}`.
 
 Bad input never answers 500: a value PostgreSQL cannot store (a NUL byte in an id, a number out of range) is the
 request's fault and answers 400, like any other invalid parameter. A backing service that is down answers 503,
@@ -6,6 +7,8 @@ which the SDKs retry.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,42 +62,92 @@ def error_response(
     )
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str  # "invalid_request_error", "authentication_error", "not_found_error", "request_too_large", "api_error"
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """The body of every error answer on Anthropic's paths."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
+# Anthropic's error types by status (its API answers 409 nowhere; a conflict is an invalid request there)
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"
+
+
+def anthropic_error_response(status_code: int, message: str, *, headers: dict[str, str] | None = None) -> JSONResponse:
+    error_type = ANTHROPIC_ERROR_TYPES.get(status_code, "api_error")
+    return JSONResponse(
+        status_code=status_code,
+        content={"type": "error", "error": {"type": error_type, "message": message}},
+        headers=headers,
+    )
+
+
+def _answer(
+    request: Request,
+    status_code: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """The error in the shape of the API the path belongs to."""
+    if request.url.path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_response(status_code, message, headers=headers)
+    return error_response(status_code, message, param=param, code=code, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
-    async def _service_error(_: Request, error: ServiceError) -> JSONResponse:
-        return error_response(STATUS_BY_KIND[error.kind], error.message, param=error.param, code=error.code)
+    async def _service_error(request: Request, error: ServiceError) -> JSONResponse:
+        return _answer(request, STATUS_BY_KIND[error.kind], error.message, param=error.param, code=error.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
+    async def _invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
         location = [str(part) for part in first["loc"] if part not in ("body", "query", "path", "header")]
         param = ".".join(location) or None
         more = f" (and {len(error.errors()) - 1} more problems)" if len(error.errors()) > 1 else ""
         subject = f"'{param}'" if param else "the request"
-        return error_response(400, f"Invalid {subject}: {first['msg']}{more}", param=param)
+        return _answer(request, 400, f"Invalid {subject}: {first['msg']}{more}", param=param)
 
     @app.exception_handler(DataError)
-    async def _unstorable_value(_: Request, error: DataError) -> JSONResponse:
+    async def _unstorable_value(request: Request, error: DataError) -> JSONResponse:
         # psycopg refuses such a value before it is sent (a NUL byte), or PostgreSQL does (out of range): either
         # way the value came from the request, and the transaction was rolled back.
         reason = str(error.orig).strip().splitlines()[0] if error.orig is not None else "invalid value"
-        return error_response(400, f"The request holds a value that cannot be stored: {reason}")
+        return _answer(request, 400, f"The request holds a value that cannot be stored: {reason}")
 
     @app.exception_handler(QueueUnreachable)
     @app.exception_handler(RedisError)
-    async def _queue_unreachable(_: Request, error: Exception) -> JSONResponse:
-        return error_response(503, f"The task queue (Redis) is unreachable; retry later ({error})", code="queue_unavailable")
+    async def _queue_unreachable(request: Request, error: Exception) -> JSONResponse:
+        message = f"The task queue (Redis) is unreachable; retry later ({error})"
+        return _answer(request, 503, message, code="queue_unavailable")
 
     @app.exception_handler(DatabaseUnreachable)
-    async def _database_unreachable(_: Request, error: DatabaseUnreachable) -> JSONResponse:
-        return error_response(503, "The database is unreachable; retry later", code="database_unavailable")
+    async def _database_unreachable(request: Request, error: DatabaseUnreachable) -> JSONResponse:
+        return _answer(request, 503, "The database is unreachable; retry later", code="database_unavailable")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         headers = dict(error.headers or {})
         if error.status_code == 405:
             headers["Allow"] = ", ".join(_allowed_methods(request, headers.get("Allow", "")))
-        return error_response(error.status_code, str(error.detail), headers=headers)
+        return _answer(request, error.status_code, str(error.detail), headers=headers)
 
 
 def _allowed_methods(request: Request, named: str) -> list[str]:

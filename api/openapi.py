@@ -1,4 +1,5 @@
-"""The OpenAPI document states what the API really answers: its error statuses with OpenAI's error body, no 422
+"""The OpenAPI document states what the API really answers: its error statuses with OpenAI's error body (Anthropic's
+on Anthropic's paths), no 422
 for invalid input (answered 400, as OpenAI does), /metrics as Prometheus text and file contents as bytes.
 
 FastAPI documents a route's success and a 422 it never sends; the error statuses follow from what every route
@@ -13,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from api.errors import ErrorResponse
+from api.errors import ANTHROPIC_PATHS, AnthropicErrorResponse, ErrorResponse
 from jobs.idempotency import HEADER as IDEMPOTENCY_HEADER
 
 ERROR_DESCRIPTIONS = {
@@ -21,7 +22,7 @@ ERROR_DESCRIPTIONS = {
     401: "Missing or incorrect API key",
     404: "An object the request names (in its path, body or page cursor) does not exist in the caller's project",
     409: f"The object's state does not allow this, or the {IDEMPOTENCY_HEADER} was used with a different request",
-    413: "The upload is larger than the server's limit",
+    413: "The upload (or a Message Batch's requests) is larger than the server's limit",
     503: "A backing service (database, task queue) is unreachable; retry later",
 }
 WRITE_METHODS = ("post", "put", "patch", "delete")
@@ -35,6 +36,9 @@ def install_openapi(app: FastAPI) -> None:
             error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(error_schema.pop("$defs", {}))
             components["ErrorResponse"] = error_schema
+            anthropic_schema = AnthropicErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(anthropic_schema.pop("$defs", {}))
+            components["AnthropicErrorResponse"] = anthropic_schema
             components.pop("HTTPValidationError", None)
             components.pop("ValidationError", None)
             # Every /v1 route needs `Authorization: Bearer <key>` (api.auth); the operations routes need none.
@@ -56,14 +60,16 @@ def _document_errors(path: str, method: str, operation: dict[str, Any]) -> None:
     operation["security"] = [{"bearer": []}]
     statuses = {400, 401, 503}
     parameters = {parameter.get("name") for parameter in operation.get("parameters", [])}
-    if "{" in path or "after" in parameters or "requestBody" in operation:  # each can name an object by its id
+    cursors = {"after", "after_id", "before_id"}
+    if "{" in path or parameters & cursors or "requestBody" in operation:  # each can name an object by its id
         statuses.add(404)
     if method in WRITE_METHODS:
         statuses.add(409)
-    if path == "/v1/files" and method == "post":
+    if path in ("/v1/files", "/v1/messages/batches") and method == "post":
         statuses.add(413)
+    error_body = "AnthropicErrorResponse" if path.startswith(ANTHROPIC_PATHS) else "ErrorResponse"
     for status in sorted(statuses):
         responses[str(status)] = {
             "description": ERROR_DESCRIPTIONS[status],
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{error_body}"}}},
         }

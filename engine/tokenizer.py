@@ -65,14 +65,23 @@ class Tokenizer:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str:
         """The template rendered as transformers renders it: `tools` (OpenAI tool dicts) is passed even when
-        None, so templates testing `tools is not none` behave as under transformers."""
+        None, so templates testing `tools is not none` behave as under transformers; `template_kwargs` are further
+        variables the template reads (Qwen3's `enable_thinking`), as transformers passes its extra keyword arguments."""
         if self._chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; send a plain text prompt instead")
         return self._chat_template.render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self._special_tokens
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **self._special_tokens,
+            **template_kwargs,
         )
 
     def _id_of(self, token: str | None) -> int | None:

@@ -8,10 +8,11 @@ from typing import Any
 from sqlalchemy import ColumnElement, Connection, Row, bindparam, exists, select, update
 from sqlalchemy.orm import Session
 
+from jobs.batch_limits import check_input_size
 from jobs.openai_format.requests import ENDPOINTS
 from jobs.errors import ServiceError
 from jobs.files import get_file
-from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, FilePurpose, plain_columns, utcnow
+from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, File, FilePurpose, plain_columns, utcnow
 from jobs.pagination import Page, paginate
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
@@ -37,13 +38,17 @@ def create_batch(
     priority: int = 0,
     window_seconds: float | None = None,
     output_expires_after_seconds: int | None = None,
+    max_input_bytes: int | None = None,
 ) -> Batch:
     """window_seconds: how long the batch may take before it expires (Settings.completion_window_seconds);
     None: the length completion_window names. output_expires_after_seconds: the output and error files' lifetime
-    from their creation (OpenAI's `output_expires_after`); None: kept until deleted."""
+    from their creation (OpenAI's `output_expires_after`); None: kept until deleted. max_input_bytes: the largest
+    input file taken (`BatchLimits`, refused as OpenAI does); None: any."""
     check_batch_options(endpoint=endpoint, completion_window=completion_window, metadata=metadata)
     check_priority(priority)
-    check_input_file(session, project_id, input_file_id)
+    input_file = check_input_file(session, project_id, input_file_id)
+    if max_input_bytes is not None:
+        check_input_size(input_file.bytes, max_input_bytes)
     return add_batch(
         session,
         Batch(
@@ -98,7 +103,7 @@ def check_priority(priority: int) -> None:
         )
 
 
-def check_input_file(session: Session, project_id: str, input_file_id: str) -> None:
+def check_input_file(session: Session, project_id: str, input_file_id: str) -> File:
     input_file = get_file(session, project_id, input_file_id)
     if input_file.purpose != FilePurpose.batch:
         raise ServiceError(
@@ -106,6 +111,7 @@ def check_input_file(session: Session, project_id: str, input_file_id: str) -> N
             f"file {input_file_id} has purpose {input_file.purpose.value!r}; a batch input needs purpose 'batch'",
             param="input_file_id",
         )
+    return input_file
 
 
 def check_one_input(input_file_id: str | None, input_prefix: str | None) -> None:

@@ -27,6 +27,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSetti
 
 from engine.config import EngineConfig
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
+from jobs.batch_limits import BatchLimits, MessageBatchLimits
 from jobs.served_models import DEFAULT_ANNOUNCE_TTL_SECONDS, parse_aliases
 
 ENV_PREFIX = "CONVEYOR_"
@@ -124,6 +125,31 @@ class Settings(BaseSettings):
         description="bytes: the longest batch input line validated (16 MiB); a longer one is its line's "
         "`request_too_large` error, never read whole",
     )
+    max_batch_requests: Annotated[int, Integer] = Field(
+        50_000,
+        description="requests: the most lines one `/v1/batches` input file may hold (OpenAI's limit); a file with "
+        "more fails its batch at validation with `too_many_tasks`",
+    )
+    max_batch_input_bytes: Annotated[int, Integer] = Field(
+        209_715_200,
+        description="bytes: the largest input file `POST /v1/batches` takes (OpenAI's 200 MB: 209,715,200 bytes); a "
+        "larger one is refused at creation (400)",
+    )
+    max_batch_embedding_inputs: Annotated[int, Integer] = Field(
+        50_000,
+        description="texts: the most embedding inputs across all lines of one `/v1/embeddings` batch (OpenAI's limit); "
+        "more fails the batch at validation with `too_many_tasks`",
+    )
+    max_message_batch_requests: Annotated[int, Integer] = Field(
+        100_000,
+        description="requests: the most one Anthropic Message Batch may hold (Anthropic's limit); more is refused at "
+        "creation (400)",
+    )
+    max_message_batch_bytes: Annotated[int, Integer] = Field(
+        256_000_000,
+        description="bytes: the largest a Message Batch's requests may be, as JSONL lines (Anthropic's 256 MB); "
+        "larger is refused at creation (413)",
+    )
     max_form_field_bytes: Annotated[int, Integer] = Field(
         4096, description="bytes: one text field's value in a `POST /v1/files` form (`purpose`); 400 above"
     )
@@ -185,7 +211,17 @@ class Settings(BaseSettings):
             raise ValueError(f"CONVEYOR_RAG_DOCUMENTS_PER_CHUNK must be >= 1, got {self.rag_documents_per_chunk}")
         if self.finalize_timeout_seconds <= 0:
             raise ValueError(f"CONVEYOR_FINALIZE_TIMEOUT_SECONDS must be > 0, got {self.finalize_timeout_seconds}")
-        for name in ("max_upload_bytes", "max_line_bytes", "max_form_field_bytes", "max_form_part_header_bytes"):
+        for name in (
+            "max_upload_bytes",
+            "max_line_bytes",
+            "max_batch_requests",
+            "max_batch_input_bytes",
+            "max_batch_embedding_inputs",
+            "max_message_batch_requests",
+            "max_message_batch_bytes",
+            "max_form_field_bytes",
+            "max_form_part_header_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"CONVEYOR_{name.upper()} must be >= 1, got {getattr(self, name)}")
         parse_aliases(self.model_aliases)  # a malformed value fails every process at start, not a batch later
@@ -193,6 +229,14 @@ class Settings(BaseSettings):
         if unknown:
             raise ValueError(f"unknown engine options {sorted(unknown)}")
         return self
+
+    def batch_limits(self) -> BatchLimits:
+        """OpenAI's limits on one batch, as configured."""
+        return BatchLimits(self.max_batch_requests, self.max_batch_input_bytes, self.max_batch_embedding_inputs)
+
+    def message_batch_limits(self) -> MessageBatchLimits:
+        """Anthropic's limits on one Message Batch, as configured."""
+        return MessageBatchLimits(self.max_message_batch_requests, self.max_message_batch_bytes)
 
     @classmethod
     def settings_customise_sources(

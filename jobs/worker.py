@@ -29,6 +29,7 @@ from jobs import enqueue
 from jobs.batches import RAG_ENDPOINT
 from jobs.celery_app import CONTROL_QUEUE, celery_app
 from jobs.db import make_engine, make_session_factory
+from jobs.formats.anthropic_messages import MESSAGES
 from jobs.lazy_embedder import LazyEmbedder
 from jobs.openai_format.requests import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES
 from jobs.rag.kind import RagKind
@@ -87,12 +88,14 @@ def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
         settings.embedding_model,
         lambda: Embedder(settings.embedding_model, dtype=settings.dtype, device=settings.device),
     )
-    generation = GenerationKind(engine_handle, store, stop_flags, settings.chunk_size)
+    limits = settings.batch_limits()
+    generation = GenerationKind(engine_handle, store, stop_flags, settings.chunk_size, limits)
     kinds: dict[str, JobKind] = {
         CHAT_COMPLETIONS: generation,
         COMPLETIONS: generation,
         RESPONSES: generation,
-        EMBEDDINGS: EmbeddingsKind(engine_handle, store, embedder, settings.chunk_size),
+        MESSAGES: generation,
+        EMBEDDINGS: EmbeddingsKind(engine_handle, store, embedder, settings.chunk_size, limits),
         RAG_ENDPOINT: RagKind(settings=settings, store=store, stop_flags=stop_flags, engine=engine_handle, embedder=embedder),
     }
     return Pipeline(

@@ -98,7 +98,11 @@ def test_the_table_covers_every_endpoint_and_verdict() -> None:
 
 @pytest.mark.parametrize("row", rows(), ids=lambda row: f"{row.endpoint}:{row.field}:{row.verdict}")
 def test_each_row_does_what_the_table_says(row: Row) -> None:
-    refusal = outcome(row)
+    assert_verdict(row, outcome(row))
+
+
+def assert_verdict(row: Row, refusal: str | None) -> None:
+    """A refused row was refused, with its quoted words; the others were accepted."""
     if row.verdict == "refused":
         assert refusal is not None, f"{row} was accepted"
         expected = quoted(row.note)

@@ -2,13 +2,13 @@
 
 The bodies are strict pydantic models: a temperature of "0.7" or a max_tokens of true is a client bug worth
 reporting, not coercing; every field is either honoured or refused (an unknown one fails its line). An endpoint adds
-its body here (or, like `/v1/responses`, in a module of its own: `responses_api`), its line check in `validation` and
-its answer in `records`. docs/openai_compatibility.md lists every field and what becomes of it.
+its body here (or, like `/v1/responses`, in a module of its own: `responses_api`) and its format in `jobs.formats`,
+which reads the body and writes the answer. docs/openai_compatibility.md lists every field and what becomes of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol, get_args
 
@@ -16,9 +16,9 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputParams
+from jobs.openai_format.reasoning import ReasoningPlan
 from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
 from jobs.openai_format.tool_calls import ChatToolCall, Tool, ToolCallPlan, ToolChoice
-from jobs.served_models import ModelKind
 
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
@@ -27,12 +27,6 @@ COMPLETIONS: Endpoint = "/v1/completions"
 EMBEDDINGS: Endpoint = "/v1/embeddings"
 RESPONSES: Endpoint = "/v1/responses"
 EncodingFormat = Literal["float", "base64"]
-MODEL_KINDS: dict[Endpoint, ModelKind] = {
-    CHAT_COMPLETIONS: "generation",
-    COMPLETIONS: "generation",
-    EMBEDDINGS: "embedding",
-    RESPONSES: "generation",
-}  # which kind of served model answers an endpoint's lines
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
@@ -54,7 +48,11 @@ class PromptTokenizer(Protocol):
     def chat_template(self) -> str | None: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str: ...
 
 
@@ -156,6 +154,17 @@ class _SamplingFields(StrictBody):
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
+# What the chat template is given by conveyor itself (and the tokenizer's special tokens, which it also passes)
+_TEMPLATE_ARGUMENTS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"}
+
+
+def _free_template_variables(variables: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(_TEMPLATE_ARGUMENTS & set(variables))
+    if taken:
+        raise ValueError(f"{taken} are set by conveyor itself, not by chat_template_kwargs")
+    return variables
+
+
 def _not_streamed(stream: bool | None) -> bool | None:
     if stream:
         raise ValueError("stream=true is not supported: a batch line is answered by one response, not a stream")
@@ -183,6 +192,8 @@ class ChatCompletionBody(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extension: variables for the chat template, e.g. Qwen3's {"enable_thinking": false}
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_free_template_variables)] | None = None
 
 
 def _embedding_texts(value: object) -> object:
@@ -225,13 +236,13 @@ class BatchRequest:
     """A valid line, ready for `LLM.generate`: one engine request per prompt, all with the same parameters."""
 
     custom_id: str
-    url: Endpoint
+    url: str  # its endpoint format's (`jobs.formats.registry`)
     prompts: list[list[int]]  # token ids; only a completions line may hold more than one prompt
     sampling_params: SamplingParams
-    echo_texts: list[str] | None = None  # completions' echo: each prompt as text, put before its choices' text
-    # /v1/responses: what the response object repeats of its request (`ResponsesBody.echoed`)
-    response_fields: Mapping[str, Any] | None = None
     tool_calls: ToolCallPlan | None = None  # tools are on: look for calls in the output
+    # What the format's answer needs of its request: completions' echo texts, what a response object repeats
+    context: object = None
+    reasoning: ReasoningPlan | None = None  # the output may think first: its answer splits the thinking off
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializeAsAny
 
 from jobs.openai_format.tool_calls import ToolCall
-
-from jobs.openai_format.responses_api import ResponseObject
 
 ErrorCode = Literal[
     "invalid_json_line",  # not JSON, or not a JSON object
@@ -34,8 +32,27 @@ ErrorCode = Literal[
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
+class TokenCounts(NamedTuple):
+    """A line's tokens, whatever its format calls them: what the batch's usage adds up."""
+
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int  # of input_tokens: read from the engine's prefix cache
+
+
+class AnswerBody(BaseModel):
+    """The body of a successful answer, in its endpoint format's shape (`jobs.formats`)."""
+
+    def token_counts(self) -> TokenCounts:
+        raise NotImplementedError(f"{type(self).__name__} does not say what it counts")
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens read from the engine's prefix cache instead of computed
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # of completion_tokens: the thinking, up to and including its closing tag
 
 
 class Usage(BaseModel):
@@ -43,6 +60,11 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Only for models that think (jobs.openai_format.reasoning): absent otherwise, as before they were served
+    completion_tokens_details: CompletionTokensDetails | None = Field(default=None, exclude_if=lambda details: details is None)
+
+    def token_counts(self) -> TokenCounts:
+        return TokenCounts(self.prompt_tokens, self.completion_tokens, self.prompt_tokens_details.cached_tokens)
 
 
 class TopLogprob(BaseModel):
@@ -63,6 +85,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: calls is None)  # as OpenAI: absent, not null
+    # vLLM's field: the thinking of a model that thinks, apart from the answer; absent for one that does not
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda reasoning: reasoning is None)
 
 
 class ChatChoice(BaseModel):
@@ -72,13 +96,16 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(AnswerBody):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+    def token_counts(self) -> TokenCounts:
+        return self.usage.token_counts()
 
 
 class CompletionLogprobs(BaseModel):
@@ -96,13 +123,16 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason
 
 
-class TextCompletion(BaseModel):
+class TextCompletion(AnswerBody):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+
+    def token_counts(self) -> TokenCounts:
+        return self.usage.token_counts()
 
 
 class EmbeddingUsage(BaseModel):
@@ -116,17 +146,20 @@ class EmbeddingData(BaseModel):
     embedding: list[float] | str  # str: base64 of the little-endian float32 bytes (encoding_format="base64")
 
 
-class EmbeddingList(BaseModel):
+class EmbeddingList(AnswerBody):
     object: Literal["list"] = "list"
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
 
+    def token_counts(self) -> TokenCounts:
+        return TokenCounts(self.usage.prompt_tokens, 0, 0)  # embeddings: input only
+
 
 class BatchResponse(BaseModel):
     status_code: int
     request_id: str
-    body: ChatCompletion | TextCompletion | EmbeddingList | ResponseObject
+    body: SerializeAsAny[AnswerBody]  # written as the format's own model, whatever it is
 
 
 class BatchError(BaseModel):

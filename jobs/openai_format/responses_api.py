@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from engine.structured_output import StructuredOutputParams
+from jobs.openai_format.responses import AnswerBody, TokenCounts
 from jobs.openai_format.requests import ChatMessage, NotStreamed, ServiceTier, StrictBody
 from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
 from jobs.openai_format.tool_calls import (
@@ -292,6 +293,20 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The thinking of a model that thinks (jobs.openai_format.reasoning), before the answer's items."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)  # no summarizer here: the whole thinking is in content
+    content: list[ReasoningText]
+
+
 class OutputFunctionCall(BaseModel):
     """A call the model made: the client runs it and sends the result back as a `function_call_output` item."""
 
@@ -328,7 +343,7 @@ class ResponseTextFormat(BaseModel):
     format: dict[str, str] = Field(default_factory=lambda: {"type": "text"})
 
 
-class ResponseObject(BaseModel):
+class ResponseObject(AnswerBody):
     id: str
     object: Literal["response"] = "response"
     created_at: int
@@ -338,7 +353,7 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage | OutputFunctionCall]
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall]
     parallel_tool_calls: bool
     temperature: float | None
     top_p: float | None
@@ -350,17 +365,22 @@ class ResponseObject(BaseModel):
     user: str | None
     usage: ResponseUsage
 
+    def token_counts(self) -> TokenCounts:
+        return TokenCounts(self.usage.input_tokens, self.usage.output_tokens, self.usage.input_tokens_details.cached_tokens)
+
 
 def response_object(
     *, text: str | None, calls: list[ToolCall], finish_reason: str, model: str, echoed: dict[str, Any],
-    input_tokens: int, output_tokens: int, cached_tokens: int,
+    input_tokens: int, output_tokens: int, cached_tokens: int, reasoning: str | None = None, reasoning_tokens: int = 0,
 ) -> ResponseObject:
     """The answer to one /v1/responses line from its one sample, its text and the calls found in it (tool_calls.py):
-    a message with the text (when there is any, or when there are no calls), then a function_call item per call.
-    Cut by its token limit, it is "incomplete"."""
+    a reasoning item with the thinking of a model that thinks, a message with the text (when there is any, or when
+    there are no calls), then a function_call item per call. Cut by its token limit, it is "incomplete"."""
     complete = finish_reason == "stop"
     status: Literal["completed", "incomplete"] = "completed" if complete else "incomplete"
-    output: list[OutputMessage | OutputFunctionCall] = []
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall] = []
+    if reasoning is not None:
+        output.append(OutputReasoning(id="rs_" + uuid.uuid4().hex, content=[ReasoningText(text=reasoning)]))
     if text or not calls:
         output.append(OutputMessage(id="msg_" + uuid.uuid4().hex, status=status, content=[OutputText(text=text or "")]))
     output += [
@@ -380,7 +400,7 @@ def response_object(
             input_tokens=input_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
             output_tokens=output_tokens,
-            output_tokens_details=OutputTokensDetails(),
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
             total_tokens=input_tokens + output_tokens,
         ),
         **echoed,

@@ -36,32 +36,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-from pydantic import ValidationError
-from pydantic_core import ErrorDetails
+from typing import Any
 
 from engine.admission import AdmissionLimits, AdmissionRefused, admit
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputParams
+from jobs.formats.base import ChatPrompt, Generation, LineRejected
+from jobs.formats.registry import FORMATS
 from jobs.json_lines import UnreadableLine, load_json_line
-from jobs.openai_format.requests import (
-    CHAT_COMPLETIONS,
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    EMBEDDINGS,
-    ENDPOINTS,
-    BatchRequest,
-    ChatCompletionBody,
-    ChatMessage,
-    CompletionBody,
-    EmbeddingBody,
-    EmbeddingRequest,
-    Endpoint,
-    PromptTokenizer,
-    RESPONSES,
-)
+from jobs.openai_format.requests import BatchRequest, ChatMessage, EmbeddingRequest, PromptTokenizer
+from jobs.openai_format.reasoning import after_thinking, reasoning_plan
 from jobs.openai_format.responses import ErrorCode
-from jobs.openai_format.responses_api import ResponsesBody
 from jobs.openai_format.structured_output import ConstraintRejected
 from jobs.openai_format.tool_calls import (
     Tool,
@@ -71,7 +56,7 @@ from jobs.openai_format.tool_calls import (
     plan_tool_calls,
     template_messages,
 )
-from jobs.openai_format.tool_syntax import HERMES, CallSyntax, detect_call_syntax
+from jobs.openai_format.tool_syntax import HERMES, detect_call_syntax
 from jobs.served_models import ModelKind, ModelNames
 
 log = logging.getLogger(__name__)
@@ -84,13 +69,6 @@ class LineError:
     custom_id: str | None
     code: ErrorCode
     message: str
-
-
-class _LineRejected(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class BatchLineValidator:
@@ -107,7 +85,7 @@ class BatchLineValidator:
         self,
         tokenizer: PromptTokenizer,
         max_model_len: int,
-        endpoint: Endpoint | None = None,
+        endpoint: str | None = None,
         *,
         models: ModelNames,
         batch_model: str | None = None,
@@ -130,125 +108,101 @@ class BatchLineValidator:
             fields = _parse_json_object(line)
             custom_id = _read_custom_id(fields)
             if custom_id in self._seen_custom_ids:
-                raise _LineRejected("duplicate_custom_id", f"custom_id {custom_id!r} is used by an earlier line")
+                raise LineRejected("duplicate_custom_id", f"custom_id {custom_id!r} is used by an earlier line")
             self._seen_custom_ids.add(custom_id)
             url = self._read_url(fields)
             return self._build_request(custom_id, url, fields.get("body"))
-        except _LineRejected as rejected:
+        except LineRejected as rejected:
             return LineError(custom_id=custom_id, code=rejected.code, message=rejected.message)
         except Exception as failure:  # the bulkhead: whatever a line provokes fails that line alone
             log.exception("a batch line broke its validation")
             return LineError(custom_id, "invalid_line", f"the line could not be checked: {type(failure).__name__}: {failure}")
 
-    def _read_url(self, fields: Mapping[str, Any]) -> Endpoint:
+    def _read_url(self, fields: Mapping[str, Any]) -> str:
         method = fields.get("method")
         if method != "POST":
-            raise _LineRejected("invalid_method", f"method must be 'POST', got {method!r}")
+            raise LineRejected("invalid_method", f"method must be 'POST', got {method!r}")
         url = fields.get("url")
-        if url not in ENDPOINTS:
-            raise _LineRejected("invalid_url", f"url must be one of {list(ENDPOINTS)}, got {url!r}")
+        if url not in FORMATS:
+            raise LineRejected("invalid_url", f"url must be one of {list(FORMATS)}, got {url!r}")
         if self._endpoint is not None and url != self._endpoint:
-            raise _LineRejected(
+            raise LineRejected(
                 "mismatched_endpoint", f"url {url!r} does not match the batch's endpoint {self._endpoint!r}"
             )
         return url
 
-    def _build_request(self, custom_id: str, url: Endpoint, body: object) -> BatchRequest | EmbeddingRequest:
+    def _build_request(self, custom_id: str, url: str, body: object) -> BatchRequest | EmbeddingRequest:
         if body is None:
-            raise _LineRejected("invalid_body", "missing 'body': the request to run")
+            raise LineRejected("invalid_body", "missing 'body': the request to run")
         if not isinstance(body, dict):
-            raise _LineRejected("invalid_body", f"'body' must be a JSON object, got {type(body).__name__}")
-        if url == EMBEDDINGS:
-            embedding = _parse_body(EmbeddingBody, body)
-            self._check_model(embedding.model, "embedding")
-            encoding_format = embedding.encoding_format or "float"
-            return EmbeddingRequest(custom_id, embedding.input, encoding_format, embedding.dimensions)
-        plan = None
-        echo_texts, response_fields, logit_bias, prompt_logprobs = None, None, None, None
+            raise LineRejected("invalid_body", f"'body' must be a JSON object, got {type(body).__name__}")
         try:
-            if url == CHAT_COMPLETIONS:
-                chat = _parse_body(ChatCompletionBody, body)
-                self._check_model(chat.model, "generation")
-                plan, constraint = _with_tools(
-                    chat.constraint(), chat.tools, chat.tool_choice, chat.parallel_tool_calls, self._call_syntax or HERMES
-                )
-                prompts = [self._encode_chat(chat.messages, chat.tools if plan is not None else None)]
-                requested_max_tokens = chat.max_tokens if chat.max_completion_tokens is None else chat.max_completion_tokens
-                default_max_tokens = None
-                logprobs = _chat_logprobs_count(chat)
-                sampling = chat.sampling_kwargs()
-                logit_bias = chat.logit_bias
-            elif url == RESPONSES:
-                responses = _parse_body(ResponsesBody, body)
-                self._check_model(responses.model, "generation")
-                tools = responses.chat_tools()
-                plan, constraint = _with_tools(
-                    responses.constraint(),
-                    tools,
-                    responses.chat_tool_choice(),
-                    responses.parallel_tool_calls if tools else None,  # without tools it asks nothing
-                    self._call_syntax or HERMES,
-                )
-                prompts = [self._encode_chat(responses.messages(), tools if plan is not None else None)]
-                requested_max_tokens = responses.max_output_tokens
-                default_max_tokens = None
-                logprobs = None
-                sampling = responses.model_dump(include={"temperature", "top_p"}, exclude_none=True)
-                response_fields = responses.echoed()
-            else:
-                completion = _parse_body(CompletionBody, body)
-                self._check_model(completion.model, "generation")
-                constraint = completion.constraint()
-                prompts = [self._encode_prompt(prompt) for prompt in completion.prompt]
-                requested_max_tokens = completion.max_tokens
-                default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-                logprobs = completion.logprobs
-                sampling = completion.sampling_kwargs()
-                echo_texts = self._echo_texts(completion) if completion.echo else None
-                # Echo with logprobs reports the prompt tokens' log-probs too (as many alternatives as the completion's).
-                prompt_logprobs = completion.logprobs if completion.echo else None
-                logit_bias = completion.logit_bias
+            return FORMATS[url].read(custom_id, body, self)
         except ConstraintRejected as rejected:
-            raise _LineRejected(rejected.code, rejected.message) from None
-        self._check_vocabulary("stop_token_ids", sampling.get("stop_token_ids", []))
+            raise LineRejected(rejected.code, rejected.message) from None
+
+    # The `jobs.formats.base.LineReader` a format reads its body with
+
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        return self._tokenizer
+
+    def request(self, custom_id: str, url: str, generation: Generation) -> BatchRequest:
+        self._check_vocabulary("stop_token_ids", generation.sampling.get("stop_token_ids", []))
         # The prompts of one line share their parameters, fitted to the longest: what fits it fits every one.
-        longest = max(len(prompt) for prompt in prompts)
-        max_tokens = self._fit_max_tokens(longest, requested_max_tokens, default_max_tokens)
+        longest = max(len(prompt) for prompt in generation.prompts)
+        max_tokens = self._fit_max_tokens(longest, generation.requested_max_tokens, generation.default_max_tokens)
         try:
-            bias = self._logit_bias(logit_bias)
+            bias = self._logit_bias(generation.logit_bias)
+            constraint = generation.constraint
+            if constraint is not None and generation.reasoning is not None:  # the answer is constrained, not the thinking
+                constraint = after_thinking(constraint, generation.reasoning)
             params = SamplingParams(
-                **sampling,
+                **generation.sampling,
                 max_tokens=max_tokens,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
+                logprobs=generation.logprobs,
+                prompt_logprobs=generation.prompt_logprobs,
                 structured_output=constraint,
                 logit_bias=bias,
             )
         except ValueError as invalid:
-            raise _LineRejected("invalid_parameter", str(invalid)) from None
+            raise LineRejected("invalid_parameter", str(invalid)) from None
         if self._limits is not None:
             try:
                 params = admit(longest, params, self._limits)
             except AdmissionRefused as refused:
-                raise _LineRejected("request_too_large", str(refused)) from None
-        return BatchRequest(custom_id, url, prompts, params, echo_texts, response_fields, plan)
+                raise LineRejected("request_too_large", str(refused)) from None
+        return BatchRequest(
+            custom_id, url, generation.prompts, params, generation.tool_calls, generation.context, generation.reasoning
+        )
 
-    def _echo_texts(self, completion: CompletionBody) -> list[str]:
-        return [
-            prompt if isinstance(prompt, str) else self._tokenizer.decode(prompt, skip_special_tokens=False)
-            for prompt in completion.prompt
-        ]
+    def with_tools(
+        self,
+        constraint: StructuredOutputParams | None,
+        tools: list[Tool] | None,
+        tool_choice: ToolChoice | None,
+        parallel_tool_calls: bool | None,
+    ) -> tuple[ToolCallPlan | None, StructuredOutputParams | None]:
+        """The line's tool plan, and its one output constraint: the format it asks for, or its tool calls' in the
+        template's syntax (tool_calls.py)."""
+        plan, tool_constraint = plan_tool_calls(tools, tool_choice, parallel_tool_calls, self._call_syntax or HERMES)
+        if constraint is not None and tool_constraint is not None:
+            raise LineRejected(
+                "invalid_parameter",
+                "an output format (response_format, text.format or guided_*) cannot be combined with tools a call may use",
+            )
+        return plan, constraint or tool_constraint
 
-    def _check_model(self, name: str | None, kind: ModelKind) -> None:
+    def check_model(self, name: str | None, kind: ModelKind) -> None:
         if name is None:
             return
         served = self._models.resolve(name, kind)
         if served is None:
-            raise _LineRejected(
+            raise LineRejected(
                 "model_not_found", f"The model {name!r} does not exist or is not served by this deployment"
             )
         if self._batch_model is not None and served != self._batch_model:
-            raise _LineRejected(
+            raise LineRejected(
                 "model_not_found",
                 f"The model {name!r} is not this batch's: a batch runs one model, {self._batch_model!r} "
                 "(the model its first line names)",
@@ -263,7 +217,9 @@ class BatchLineValidator:
         self._check_vocabulary("logit_bias", list(bias))
         return bias
 
-    def _encode_chat(self, messages: list[ChatMessage], tools: list[Tool] | None) -> list[int]:
+    def encode_chat(
+        self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
+    ) -> ChatPrompt:
         # Templates rarely know OpenAI's newer "developer" role; it means what "system" always meant.
         # A message's `name` goes to the template too: templates that have a place for it (e.g. Llama 3's tool turns,
         # some Mistral ones) use it, the rest leave it out, as with OpenAI's own models.
@@ -279,13 +235,16 @@ class BatchLineValidator:
             conversation = generic_tool_prompt(conversation, tools)
         try:
             tools_argument = {"tools": template_tools} if template_tools else {}
-            text = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **tools_argument)
+            text = self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, **tools_argument, **(template_kwargs or {})
+            )
         except Exception as failure:  # the template is the model's code; it may refuse a conversation by raising
-            raise _LineRejected("invalid_body", f"the model's chat template rejected 'messages': {failure}") from None
+            raise LineRejected("invalid_body", f"the model's chat template rejected 'messages': {failure}") from None
         # The template already wrote the special tokens; adding them again would double the BOS.
-        return self._non_empty(self._tokenizer.encode(text, add_special_tokens=False))
+        token_ids = self._non_empty(self._tokenizer.encode(text, add_special_tokens=False))
+        return ChatPrompt(token_ids, reasoning_plan(self._tokenizer.chat_template, text))
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self._non_empty(self._tokenizer.encode(prompt))
         self._check_vocabulary("prompt", prompt)
@@ -295,7 +254,7 @@ class BatchLineValidator:
         # An id past the embedding table would crash the engine mid-batch, taking every other line with it.
         unknown = [token_id for token_id in token_ids if token_id >= self._tokenizer.vocab_size]
         if unknown:
-            raise _LineRejected(
+            raise LineRejected(
                 "invalid_parameter",
                 f"'{field}' holds token ids outside the vocabulary (size {self._tokenizer.vocab_size}): {unknown[:5]}",
             )
@@ -303,14 +262,14 @@ class BatchLineValidator:
     @staticmethod
     def _non_empty(token_ids: list[int]) -> list[int]:
         if not token_ids:
-            raise _LineRejected("invalid_body", "the prompt is empty")
+            raise LineRejected("invalid_body", "the prompt is empty")
         return token_ids
 
     def _fit_max_tokens(self, prompt_tokens: int, requested: int | None, default: int | None) -> int | None:
         """The max_tokens to run with; None leaves it to the admission limits' deployment default."""
         room = self._max_model_len - prompt_tokens
         if room < 1:
-            raise _LineRejected(
+            raise LineRejected(
                 "context_length_exceeded",
                 f"This model's maximum context length is {self._max_model_len} tokens, but the prompt has "
                 f"{prompt_tokens} tokens, leaving no room for a completion. Please shorten the prompt.",
@@ -320,7 +279,7 @@ class BatchLineValidator:
                 return None if self._limits is not None else room
             return min(default, room)
         if requested > room:
-            raise _LineRejected(
+            raise LineRejected(
                 "context_length_exceeded",
                 f"This model's maximum context length is {self._max_model_len} tokens. However, you requested "
                 f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} for the "
@@ -333,71 +292,18 @@ def _parse_json_object(line: str | bytes) -> Mapping[str, Any]:
     try:
         value = load_json_line(line)
     except UnreadableLine as unreadable:
-        raise _LineRejected("invalid_line", str(unreadable)) from None
+        raise LineRejected("invalid_line", str(unreadable)) from None
     except ValueError as invalid:  # also covers bytes that are not UTF-8
-        raise _LineRejected("invalid_json_line", f"line is not valid JSON: {invalid}") from None
+        raise LineRejected("invalid_json_line", f"line is not valid JSON: {invalid}") from None
     if not isinstance(value, dict):
-        raise _LineRejected("invalid_json_line", f"line must be a JSON object, got {type(value).__name__}")
+        raise LineRejected("invalid_json_line", f"line must be a JSON object, got {type(value).__name__}")
     return value
 
 
 def _read_custom_id(fields: Mapping[str, Any]) -> str:
     custom_id = fields.get("custom_id")
     if custom_id is None:
-        raise _LineRejected("invalid_custom_id", "missing 'custom_id': every line needs a unique id")
+        raise LineRejected("invalid_custom_id", "missing 'custom_id': every line needs a unique id")
     if not isinstance(custom_id, str) or not custom_id:
-        raise _LineRejected("invalid_custom_id", f"custom_id must be a non-empty string, got {custom_id!r}")
+        raise LineRejected("invalid_custom_id", f"custom_id must be a non-empty string, got {custom_id!r}")
     return custom_id
-
-
-BodyT = TypeVar("BodyT", ChatCompletionBody, CompletionBody, EmbeddingBody, ResponsesBody)
-
-
-_OUT_OF_RANGE_ERRORS = {"greater_than_equal", "less_than_equal", "too_short", "too_long"}
-
-
-def _parse_body(model: type[BodyT], body: dict[str, Any]) -> BodyT:
-    try:
-        return model.model_validate(body)
-    except ValidationError as invalid:
-        first = invalid.errors(include_url=False)[0]
-        code: ErrorCode = "invalid_parameter" if first["type"] in _OUT_OF_RANGE_ERRORS else "invalid_body"
-        more = f" (and {invalid.error_count() - 1} more problems)" if invalid.error_count() > 1 else ""
-        raise _LineRejected(code, _describe(first) + more) from None
-
-
-def _describe(error: ErrorDetails) -> str:
-    where = "body" + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"])
-    match error["type"]:
-        case "missing":
-            return f"missing required parameter '{where}'"
-        case "extra_forbidden":
-            return f"unsupported parameter '{where}'"
-        case "value_error":  # raised by this module's own validators: their message is the whole story
-            return f"invalid '{where}': {error['ctx']['error']}"
-        case _:
-            return f"invalid '{where}': {error['msg']}"
-
-
-def _with_tools(
-    constraint: StructuredOutputParams | None,
-    tools: list[Tool] | None,
-    tool_choice: ToolChoice | None,
-    parallel_tool_calls: bool | None,
-    syntax: CallSyntax,
-) -> tuple[ToolCallPlan | None, StructuredOutputParams | None]:
-    """The line's tool plan, and its one output constraint: the format it asks for, or its tool calls' in the
-    template's `syntax` (tool_calls.py)."""
-    plan, tool_constraint = plan_tool_calls(tools, tool_choice, parallel_tool_calls, syntax)
-    if constraint is not None and tool_constraint is not None:
-        raise _LineRejected(
-            "invalid_parameter",
-            "an output format (response_format, text.format or guided_*) cannot be combined with tools a call may use",
-        )
-    return plan, constraint or tool_constraint
-
-
-def _chat_logprobs_count(chat: ChatCompletionBody) -> int | None:
-    if chat.top_logprobs is not None and not chat.logprobs:
-        raise _LineRejected("invalid_parameter", "top_logprobs requires logprobs to be true")
-    return (chat.top_logprobs or 0) if chat.logprobs else None

@@ -41,7 +41,7 @@ from jobs.rag.processing import (
 )
 from jobs.rag.splitter import TextSplitter
 from jobs.run.kinds import ChunkResult, EngineHandle, FinishedChunks
-from jobs.run.split import LineNumber, RejectedLine
+from jobs.run.split import LineNumber, RejectedLine, ValidationTally
 from jobs.settings import S3Settings, Settings
 from jobs.stop_flags import StopFlags, StopReason
 from jobs.storage import DEFAULT_PART_BYTES, ObjectNotFound, ObjectRefused, ObjectStore
@@ -91,6 +91,9 @@ class DocumentLines:
             except DocumentError as outside:
                 return _rejected(line_number, document.id, "uri_outside_inbox", str(outside))
         return None
+
+    def refusal(self, tally: ValidationTally) -> tuple[str, str] | None:
+        return None  # a RAG job may hold any number of documents
 
     def expired_record(self, line: bytes) -> bytes:
         return expired_document_record(line)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from jobs.batch_limits import BatchLimits
 from jobs.models import Batch
-from jobs.openai_format.records import TextEmbedder, embedding_records
+from jobs.openai_format.records import TextEmbedder, embedding_records, error_record
 from jobs.openai_format.requests import EmbeddingRequest
+from jobs.openai_format.responses import BatchOutputLine
+from jobs.openai_format.validation import LineError
 from jobs.run.kinds import ChunkResult, EngineHandle
 from jobs.run.openai_lines import OpenAILinesKind, records_result
 from jobs.run.split import LineNumber
@@ -22,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class EmbeddingsKind(OpenAILinesKind):
-    def __init__(self, engine: EngineHandle, store: ObjectStore, embedder: TextEmbedder, per_chunk: int) -> None:
-        super().__init__(engine, store, per_chunk)
+    def __init__(
+        self, engine: EngineHandle, store: ObjectStore, embedder: TextEmbedder, per_chunk: int, limits: BatchLimits
+    ) -> None:
+        super().__init__(engine, store, per_chunk, limits)
         self.embedder = embedder
 
     def run_chunk(self, batch: Batch, chunk_index: int, lines: Sequence[tuple[LineNumber, bytes]]) -> ChunkResult:

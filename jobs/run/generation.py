@@ -17,6 +17,7 @@ from concurrent.futures import wait
 from typing import TYPE_CHECKING
 
 from engine.admission import EngineFailed
+from jobs.batch_limits import BatchLimits
 from jobs.models import Batch
 from jobs.openai_format.records import error_record, response_record
 from jobs.openai_format.requests import BatchRequest
@@ -38,8 +39,10 @@ STOP_POLL_SECONDS = 0.5
 
 
 class GenerationKind(OpenAILinesKind):
-    def __init__(self, engine: EngineHandle, store: ObjectStore, stop_flags: StopFlags, per_chunk: int) -> None:
-        super().__init__(engine, store, per_chunk)
+    def __init__(
+        self, engine: EngineHandle, store: ObjectStore, stop_flags: StopFlags, per_chunk: int, limits: BatchLimits
+    ) -> None:
+        super().__init__(engine, store, per_chunk, limits)
         self.stop_flags = stop_flags
 
     def run_chunk(self, batch: Batch, chunk_index: int, lines: Sequence[tuple[LineNumber, bytes]]) -> ChunkResult:

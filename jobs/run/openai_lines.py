@@ -9,31 +9,38 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from jobs.batch_limits import BatchLimits
 from jobs.models import Batch, File
 from jobs.openai_format.records import error_record
 from jobs.openai_format.requests import BatchRequest, EmbeddingRequest
-from jobs.openai_format.responses import BatchOutputLine, Usage
-from jobs.openai_format.responses_api import ResponseUsage
+from jobs.openai_format.responses import BatchOutputLine
 from jobs.openai_format.validation import BatchLineValidator, LineError
 from jobs.run.finalize import compose_file
 from jobs.run.kinds import ChunkResult, EngineHandle, FinishedChunks, TokenUsage
-from jobs.run.split import LineNumber, RejectedLine
+from jobs.run.split import LineNumber, RejectedLine, ValidationTally
 from jobs.storage import ObjectStore
 
 
 class RequestLines:
     """A batch's lines: OpenAI batch requests, as `jobs.run.split.InputLines`."""
 
-    def __init__(self, validator: BatchLineValidator, per_chunk: int) -> None:
+    def __init__(self, validator: BatchLineValidator, per_chunk: int, limits: BatchLimits) -> None:
         self.validator = validator
         self.per_chunk = per_chunk
+        self.limits = limits
+        self.embedding_inputs = 0  # texts of the embeddings lines checked so far
 
     def check(self, line_number: LineNumber, line: bytes) -> RejectedLine | None:
         checked = self.validator.validate(line)
+        if isinstance(checked, EmbeddingRequest):
+            self.embedding_inputs += len(checked.texts)
         if not isinstance(checked, LineError):
             return None
         located = LineError(checked.custom_id, checked.code, f"line {line_number}: {checked.message}")
         return RejectedLine(located.message, jsonl(error_record(located)), checked.code == "invalid_json_line")
+
+    def refusal(self, tally: ValidationTally) -> tuple[str, str] | None:
+        return self.limits.refusal(tally.lines, self.embedding_inputs)
 
     def expired_record(self, line: bytes) -> bytes:
         return jsonl(expired_record(json.loads(line)["custom_id"]))
@@ -49,10 +56,11 @@ class RequestLines:
 class OpenAILinesKind:
     """The part of `jobs.run.kinds.JobKind` both OpenAI kinds share; each adds its `run_chunk`."""
 
-    def __init__(self, engine: EngineHandle, store: ObjectStore, per_chunk: int) -> None:
+    def __init__(self, engine: EngineHandle, store: ObjectStore, per_chunk: int, limits: BatchLimits) -> None:
         self.engine = engine
         self.store = store
         self.per_chunk = per_chunk  # CONVEYOR_CHUNK_SIZE
+        self.limits = limits  # how many requests (and embedding inputs) one batch may hold
 
     def validator(self, batch: Batch) -> BatchLineValidator:
         return BatchLineValidator(
@@ -81,7 +89,7 @@ class OpenAILinesKind:
         return refused, requests
 
     def input_lines(self, batch: Batch) -> RequestLines:
-        return RequestLines(self.validator(batch), self.per_chunk)
+        return RequestLines(self.validator(batch), self.per_chunk, self.limits)
 
     def output_file(self, finished: FinishedChunks, file_id: str) -> File:
         batch = finished.batch
@@ -128,9 +136,4 @@ def line_usage(record: BatchOutputLine) -> TokenUsage:
     """A line's tokens as the Batch `usage` counts them: the input's (prompt or texts embedded) and the output's."""
     if record.response is None:
         return TokenUsage()
-    usage = record.response.body.usage
-    if isinstance(usage, Usage):
-        return TokenUsage(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
-    if isinstance(usage, ResponseUsage):
-        return TokenUsage(usage.input_tokens, usage.output_tokens, usage.input_tokens_details.cached_tokens)
-    return TokenUsage(usage.prompt_tokens, 0, 0)  # embeddings: input only
+    return TokenUsage(*record.response.body.token_counts())

@@ -31,7 +31,7 @@ from jobs.run.kinds import JobKind
 from jobs.run.lease import ChunkBusy, ChunkLeases
 from jobs.run.ledger import RecordedChunks
 from jobs.run.split import ChunkDraft, LineNumber, ValidationTally, accepted_lines, split_into_chunks
-from jobs.openai_format.requests import MODEL_KINDS
+from jobs.formats.registry import MODEL_KINDS
 from jobs.served_models import WorkerModels
 from jobs.settings import Settings
 from jobs.stop_flags import StopFlags, StopReason
@@ -85,7 +85,7 @@ class Pipeline:
             return
         if batch.status not in ledger.STARTABLE:
             return
-        model_kind = MODEL_KINDS.get(batch.endpoint)  # type: ignore[call-overload]
+        model_kind = MODEL_KINDS.get(batch.endpoint)
         if model_kind is not None:
             if batch.model is None:
                 batch.model = self.models.batch_model(self._first_line_model(batch), model_kind)
@@ -114,6 +114,10 @@ class Pipeline:
                 "invalid_file_format",
                 f"the input file is not JSONL: no line is a JSON object ({tally.first_problem})",
             )
+            return
+        refusal = lines.refusal(tally)
+        if refusal is not None:
+            self._fail(batch_id, *refusal)
             return
         recorded = ledger.record_chunks(self.sessions, batch_id, chunks, tally)
         if recorded is not None:

@@ -36,6 +36,10 @@ class InputLines(Protocol):
 
     def check(self, line_number: LineNumber, line: bytes) -> RejectedLine | None: ...
 
+    def refusal(self, tally: ValidationTally) -> tuple[str, str] | None:
+        """(code, message) failing the whole batch once every line was checked (over a limit); None: it runs."""
+        ...
+
     def expired_record(self, line: bytes) -> bytes: ...  # the error record of an accepted line that never ran
 
     def unrun_record(self, line: bytes, code: str, message: str) -> bytes: ...  # an accepted line that cannot run

@@ -6,8 +6,8 @@ with CONVEYOR_SCHEMATHESIS_EXAMPLES for a longer hunt.
 
 Two rules the document cannot state are left out of generation, and tested on their own in test_hostile_input:
 NUL bytes (PostgreSQL stores no NUL in text: refused with 400), and the meaning of some fields (a cron expression,
-an IANA time zone, a public webhook URL, a RAG job's input_file_id *or* input_prefix), whose operations may refuse
-schema-valid data with 400.
+an IANA time zone, a public webhook URL, a RAG job's input_file_id *or* input_prefix, a Message Batch's custom_ids
+and whether it has ended), whose operations may refuse schema-valid data with 400.
 
 Operations are driven one by one through schemathesis's own strategies (schemathesis's pytest plugin does not
 load under pytest 9)."""
@@ -32,7 +32,7 @@ CONFIG = {
     "checks": {"positive_data_acceptance": {"expected-statuses": ACCEPTED}},
     "operations": [
         {
-            "include-path-regex": "^/v1/(schedules|webhooks|webhook_endpoints|rag/jobs)",
+            "include-path-regex": "^/v1/(schedules|webhooks|webhook_endpoints|rag/jobs|messages/batches)",
             "checks": {"positive_data_acceptance": {"expected-statuses": [*ACCEPTED, "400"]}},
         }
     ],

@@ -34,7 +34,9 @@ class WordTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(f"<{token_id}>" for token_id in token_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         turns = " ".join(f"[{message['role']}] {message['content']}" for message in messages)
         return turns + (" [assistant]" if add_generation_prompt else "")
 
@@ -380,6 +382,7 @@ class FakeSample:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
 
 
 @dataclass
@@ -575,7 +578,7 @@ def test_echo_puts_the_prompt_before_each_choice() -> None:
     body = as_json(response_record(request, [result], model="m", tokenizer=WordTokenizer()))["response"]["body"]
     assert [choice["text"] for choice in body["choices"]] == ["one two three", "one two four"]
     by_ids = accepted(validator().validate(completion_line("i", prompt=[5, 6], echo=True)))
-    assert by_ids.echo_texts == ["<5><6>"]  # token-id prompts echo their decoded text
+    assert by_ids.context == ["<5><6>"]  # token-id prompts echo their decoded text
 
 
 def test_echo_with_logprobs_reports_the_prompt_tokens_first_as_openai_does() -> None:

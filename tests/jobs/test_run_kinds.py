@@ -34,6 +34,8 @@ from jobs.storage import ObjectStore
 
 pytestmark = pytest.mark.slow  # loads SmolLM2 and the embedding model
 
+LIMITS = Settings().batch_limits()
+
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[EngineHandle]:
@@ -71,7 +73,7 @@ def jsonl(data: bytes) -> list[dict[str, Any]]:
 
 
 def test_generation_answers_every_line(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
-    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10)
+    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10, limits=LIMITS)
     job = batch("/v1/completions")
     lines = [
         (1, line("a", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "The capital of France is", "max_tokens": 4})),
@@ -88,7 +90,7 @@ def test_generation_answers_every_line(engine: EngineHandle, stop_flags: StopFla
 
 
 def test_generation_checks_lines_for_validate(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
-    lines = GenerationKind(engine, object_store, stop_flags, per_chunk=10).input_lines(batch("/v1/completions"))
+    lines = GenerationKind(engine, object_store, stop_flags, per_chunk=10, limits=LIMITS).input_lines(batch("/v1/completions"))
     assert lines.per_chunk == 10
     assert lines.check(1, line("a", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "hi"})) is None
     rejected = lines.check(2, line("a", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "hi"}))
@@ -101,7 +103,7 @@ def test_generation_checks_lines_for_validate(engine: EngineHandle, stop_flags: 
 
 
 def test_generation_stops_on_the_batch_flag(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
-    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10)
+    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10, limits=LIMITS)
     job = batch("/v1/completions")
     stop_flags.raise_flag(job.id, StopReason.expired)
     body = {"model": DEFAULT_MODEL, "prompt": "Write a long story about a lighthouse.", "max_tokens": 400, "ignore_eos": True}
@@ -162,7 +164,7 @@ def test_generation_fails_the_whole_chunk_when_the_engine_fails(
 ) -> None:
     """Not one error record per line: the lines are not at fault and must run again elsewhere, so the chunk records
     nothing (jobs/tasks.py gives its message back to the queue)."""
-    kind = GenerationKind(dataclasses.replace(engine, loop=FailedEngineLoop()), object_store, stop_flags, per_chunk=10)
+    kind = GenerationKind(dataclasses.replace(engine, loop=FailedEngineLoop()), object_store, stop_flags, per_chunk=10, limits=LIMITS)
     body = {"model": DEFAULT_MODEL, "prompt": "One, two,", "max_tokens": 3}
     with pytest.raises(EngineFailed, match="rank 1"):
         kind.run_chunk(batch("/v1/completions"), 0, [(1, line("a", "/v1/completions", body))])
@@ -170,7 +172,7 @@ def test_generation_fails_the_whole_chunk_when_the_engine_fails(
 
 def test_embeddings_answer_a_chunk_in_one_call(engine: EngineHandle, object_store: ObjectStore) -> None:
     embedder = LazyEmbedder(DEFAULT_EMBEDDING_MODEL, lambda: Embedder(DEFAULT_EMBEDDING_MODEL, dtype="float32", device="cpu"))
-    kind = EmbeddingsKind(engine, object_store, embedder, per_chunk=10)
+    kind = EmbeddingsKind(engine, object_store, embedder, per_chunk=10, limits=LIMITS)
     body = {"model": DEFAULT_EMBEDDING_MODEL, "input": ["a lighthouse", "a harbour"]}
     bad = {"model": DEFAULT_EMBEDDING_MODEL, "input": ["x"], "dimensions": 7}  # not the model's dimension: only this line fails
     result = kind.run_chunk(
@@ -181,7 +183,7 @@ def test_embeddings_answer_a_chunk_in_one_call(engine: EngineHandle, object_stor
 
 
 def test_openai_outputs_compose_into_one_file(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
-    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10)
+    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10, limits=LIMITS)
     job = batch("/v1/completions")
     keys = [chunk_output_key(job.id, index) for index in range(2)]
     object_store.put_bytes(keys[0], b'{"custom_id": "a"}\n')
