@@ -234,33 +234,6 @@ def test_two_projects_share_a_worker_and_cannot_see_each_other(stack: Stack) -> 
     assert alice_file.id in {f.id for f in alice.files.list()}
 
 
-def test_a_killed_worker_loses_and_duplicates_nothing(private_stack_settings: Settings, tmp_path: Path) -> None:
-    with running_stack(private_stack_settings, tmp_path) as own:
-        client = client_for(own, own.new_key("crash-project"))
-        data, good_ids = completion_file("crash", 96)
-        upload = client.files.create(file=("crash.jsonl", data), purpose="batch")
-        batch = client.batches.create(input_file_id=upload.id, endpoint=COMPLETIONS, completion_window="24h")
-
-        deadline = time.monotonic() + 300
-        while (
-            current := client.batches.retrieve(batch.id)
-        ).request_counts is None or current.request_counts.completed < 16:
-            assert current.status in ("validating", "in_progress"), current
-            assert time.monotonic() < deadline, current
-            time.sleep(0.2)
-        assert current.status == "in_progress"
-        assert own.worker is not None
-        own.worker.kill()  # kill -9 mid-batch: running and prefetched chunks are unacknowledged
-
-        own.start_worker()
-        done = wait_for(client, batch.id, timeout_s=300)
-        assert done.status == "completed", done
-        assert done.request_counts is not None
-        assert (done.request_counts.completed, done.request_counts.failed) == (len(good_ids), 1)
-        outputs = read_jsonl(client, done.output_file_id)
-        assert Counter(line["custom_id"] for line in outputs) == Counter(good_ids)
-
-
 def test_clear_errors_for_bad_requests(stack: Stack) -> None:
     key = stack.new_key("errors-project")
     client = client_for(stack, key)
