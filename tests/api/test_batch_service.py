@@ -103,8 +103,9 @@ def chat_file(prefix: str, count: int) -> tuple[bytes, set[str], dict[str, str]]
         ),
     ]
     lines: list[dict[str, Any] | str] = list(good)
+    spacing = count // len(bad) + 1
     for position, (line, _, _) in enumerate(bad):  # spread the bad lines through the file, across chunks
-        lines.insert(position * 13 + 5, line)
+        lines.insert(position * spacing + 5, line)
     expected_errors = {bad_id or f"line:{code}:{i}": code for i, (_, bad_id, code) in enumerate(bad)}
     return jsonl(lines), {line["custom_id"] for line in good}, expected_errors
 
@@ -117,8 +118,10 @@ def completion_file(prefix: str, count: int) -> tuple[bytes, set[str]]:
 
 def test_openai_sdk_runs_batches_with_bad_lines_to_completion(stack: Stack) -> None:
     client = client_for(stack, stack.new_key("sdk-project"))
-    chat_bytes, chat_ids, chat_errors = chat_file("chat", 100)
-    completion_bytes, completion_ids = completion_file("cmpl", 91)  # 200 request lines in all, 9 of them bad
+    # 104 request lines in all, 9 of them bad. The chat batch has one chunk more than the worker runs at once, so its
+    # progress is visible between chunks.
+    chat_bytes, chat_ids, chat_errors = chat_file("chat", 72)
+    completion_bytes, completion_ids = completion_file("cmpl", 23)
 
     chat_input = client.files.create(file=("chat.jsonl", chat_bytes), purpose="batch")
     completion_input = client.files.create(file=("completions.jsonl", completion_bytes), purpose="batch")

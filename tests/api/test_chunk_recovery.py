@@ -20,15 +20,22 @@ import pytest
 from redis import Redis
 from sqlalchemy import select
 
-from conveyor.local_stack import ManagedProcess, free_port, scratch_redis_prefix, start_beat, start_worker
+from conveyor.local_stack import (
+    ManagedProcess,
+    free_port,
+    scratch_database,
+    scratch_redis_prefix,
+    start_beat,
+    start_worker,
+)
 from jobs.enqueue import chunk_queue
-from jobs.db import make_engine, make_session_factory
+from jobs.db import make_engine, make_session_factory, upgrade
 from jobs.models import Batch
 from jobs.object_keys import file_key
 from jobs.settings import Settings, replace
 from jobs.storage import ObjectStore
 from tests.api.test_batch_service import COMPLETIONS, client_for, completion_line, jsonl, read_jsonl, wait_for
-from tests.stack_fixtures import REDIS_URL, Stack, running_stack
+from tests.stack_fixtures import POSTGRES_ADMIN_URL, REDIS_URL, Stack, running_stack
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +45,13 @@ DEFAULT_LEASE_SECONDS = Settings.model_fields["chunk_lease_seconds"].default
 @pytest.fixture(scope="module")
 def recovery_stack(service_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     folder = tmp_path_factory.mktemp("chunk-recovery")
-    with scratch_redis_prefix(REDIS_URL) as prefix:
+    # A database of its own too: its beat's recovery sweep would otherwise send again other stacks' chunks, whose
+    # queues it does not see.
+    with scratch_redis_prefix(REDIS_URL) as prefix, scratch_database(POSTGRES_ADMIN_URL) as database_url:
+        upgrade(database_url)
         settings = replace(
             service_settings,
+            database_url=database_url,
             redis_prefix=prefix,
             api_port=free_port(),
             chunk_size=4,
