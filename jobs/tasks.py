@@ -19,6 +19,7 @@ from jobs.broker_messages import chunk_messages
 from jobs.recovery import fail_stalled_finalizes, resend_lost_chunks, resend_lost_work
 from jobs.models import utcnow
 from jobs.run.lease import ChunkBusy
+from jobs.run.memory import return_freed_memory
 from jobs.run.pipeline import ChunkCannotRun, Pipeline
 from jobs.schedules.firing import fire_due_schedules
 from jobs.webhooks.delivery import DeliveryPolicy, attempt_delivery, send_due_deliveries
@@ -73,6 +74,8 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
             # (jobs.worker). The chunk wrote nothing and released its lease; its message goes back to the queue now,
             # for a worker whose engine runs, without spending one of its retries.
             raise Reject(failed, requeue=True) from failed
+        finally:
+            return_freed_memory()  # what the chunk's requests and records held goes back to the system (jobs.run.memory)
 
     # Its retries spent, a finalize is sent again by the recovery sweep until `finalize_timeout_seconds` fail it.
     @task(name=TaskName.finalize, autoretry_for=(Exception,), retry_backoff=True, max_retries=8)
