@@ -22,6 +22,7 @@ from conveyor.local_stack import (
     scratch_database,
     scratch_redis_prefix,
     start_api,
+    start_beat,
     start_worker,
 )
 from jobs import db
@@ -107,6 +108,17 @@ def running_stack(settings: Settings, folder: Path, with_worker: bool = True) ->
         yield stack
     finally:
         stack.stop()
+
+
+@contextmanager
+def running_stack_with_beat(settings: Settings, folder: Path) -> Iterator[Stack]:
+    """A stack and its own beat, for tests of what the periodic sweeps do."""
+    with running_stack(settings, folder) as stack:
+        beat = start_beat(settings, folder / "beat.log")
+        try:
+            yield stack
+        finally:
+            beat.stop()
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,6 @@ from conveyor.local_stack import (
     free_port,
     scratch_database,
     scratch_redis_prefix,
-    start_beat,
     start_worker,
 )
 from jobs.enqueue import chunk_queue
@@ -35,7 +34,7 @@ from jobs.object_keys import file_key
 from jobs.settings import Settings, replace
 from jobs.storage import ObjectStore
 from tests.api.test_batch_service import COMPLETIONS, client_for, completion_line, jsonl, read_jsonl, wait_for
-from tests.stack_fixtures import POSTGRES_ADMIN_URL, REDIS_URL, Stack, running_stack
+from tests.stack_fixtures import POSTGRES_ADMIN_URL, REDIS_URL, Stack, running_stack_with_beat
 
 pytestmark = pytest.mark.slow
 
@@ -59,12 +58,8 @@ def recovery_stack(service_settings: Settings, tmp_path_factory: pytest.TempPath
             task_visibility_timeout=Settings.model_fields["task_visibility_timeout"].default,
             beat_interval_seconds=2.0,
         )
-        with running_stack(settings, folder) as stack:
-            beat = start_beat(settings, folder / "beat.log")
-            try:
-                yield stack
-            finally:
-                beat.stop()
+        with running_stack_with_beat(settings, folder) as stack:
+            yield stack
 
 
 def start_batch(stack: Stack, project: str, count: int, max_tokens: int) -> tuple[openai.OpenAI, str, str, set[str]]:
