@@ -11,7 +11,10 @@ the engine is built and warmed, then after each of `--batches` batches of `--lin
   trimmed      the worker's fix (`jobs.run.memory.return_freed_memory` after every chunk, arenas capped at start)
 
 The figure that matters is the growth from the first batch to the last: a leak grows every batch, fragmentation
-settles, a fixed worker stays within ~10 %.
+settles, a fixed worker stays within ~10 %. Two more columns say where the memory is: Python's live blocks
+(`sys.getallocatedblocks`, after a collection) after the last batch, which a leak of records or detokenizer state
+would grow, and the RSS once `malloc_trim` has run in the as-shipped process: what it gives back was free memory
+glibc kept, not live data.
 
     python -m bench.worker_memory --lines 400 --batches 3
 """
@@ -19,6 +22,7 @@ settles, a fixed worker stays within ~10 %.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import secrets
@@ -53,6 +57,11 @@ def rss_mib() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def python_blocks() -> float:
+    gc.collect()
+    return float(sys.getallocatedblocks())
+
+
 def chat_lines(batch_number: int, count: int, max_tokens: int) -> list[bytes]:
     return [
         json.dumps(
@@ -71,8 +80,9 @@ def chat_lines(batch_number: int, count: int, max_tokens: int) -> list[bytes]:
     ]
 
 
-def run_variant(variant: str, args: argparse.Namespace) -> list[float]:
-    """RSS (MiB) after warm-up, then after each batch, in this process."""
+def run_variant(variant: str, args: argparse.Namespace) -> dict[str, list[float] | float]:
+    """RSS (MiB) after warm-up, then after each batch, in this process; Python's live blocks after warm-up and after
+    the last batch; the RSS after a malloc_trim at the end."""
     trimmed = variant == "trimmed"
     if trimmed:
         cap_malloc_arenas()
@@ -109,12 +119,15 @@ def run_variant(variant: str, args: argparse.Namespace) -> list[float]:
     try:
         run_batch(0, chat_lines(0, args.chunk_size, args.max_tokens))  # warm-up: one chunk
         figures = [rss_mib()]
+        blocks = [python_blocks()]
         for number in range(1, args.batches + 1):
             started = time.monotonic()
             run_batch(number, chat_lines(number, args.lines, args.max_tokens))
             figures.append(rss_mib())
             print(f"{variant}: batch {number} in {time.monotonic() - started:.0f} s, RSS {figures[-1]:.0f} MiB", file=sys.stderr)
-        return figures
+        blocks.append(python_blocks())
+        return_freed_memory()
+        return {"rss": figures, "python_blocks": blocks, "rss_trimmed": rss_mib()}
     finally:
         loop.stop()
         redis.close()
@@ -144,11 +157,18 @@ def main() -> None:
         f"{args.batches} batches of {args.lines} chat lines, max_tokens {args.max_tokens}, chunks of {args.chunk_size}, "
         f"{args.concurrency} chunk threads, SmolLM2-135M float32 on CPU; RSS in MiB\n"
     )
-    header = ["variant", "warm", *(f"after batch {n}" for n in range(1, args.batches + 1)), "last / first batch"]
+    header = [
+        "variant", "warm", *(f"after batch {n}" for n in range(1, args.batches + 1)), "last / first batch",
+        "Python blocks warm → last (k)", "after malloc_trim",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for variant, figures in rows:
-        cells = [variant, *(f"{figure:.0f}" for figure in figures), f"{figures[-1] / figures[1]:.3f}"]
+    for variant, result in rows:
+        rss, blocks = result["rss"], result["python_blocks"]
+        cells = [
+            variant, *(f"{figure:.0f}" for figure in rss), f"{rss[-1] / rss[1]:.3f}",
+            f"{blocks[0] / 1000:.0f} → {blocks[1] / 1000:.0f}", f"{result['rss_trimmed']:.0f}",
+        ]
         print("| " + " | ".join(cells) + " |")
 
 
