@@ -253,8 +253,10 @@ class Pipeline:
             data = self.store.read_range(
                 file_key(batch.project_id, batch.input_file_id), chunk.byte_start, chunk.byte_end
             )
-        except (ObjectNotFound, ObjectRefused) as unreadable:
-            raise ChunkCannotRun(f"the batch's input file {batch.input_file_id} cannot be read: {unreadable}") from None
+        except ObjectNotFound:
+            raise ChunkCannotRun(f"the batch's input file {batch.input_file_id} no longer exists") from None
+        except ObjectRefused as refused:
+            raise ChunkCannotRun(f"the batch's input file {batch.input_file_id} cannot be read: {refused}") from None
         return accepted_lines(data, chunk.first_line, chunk.byte_start, chunk.rejected_lines)
 
     def _request_ids(self, batch: Batch, chunk: Chunk) -> list[RequestId]:
