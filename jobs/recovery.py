@@ -14,9 +14,9 @@ not terminal when its completion window ends. This one covers the tasks that nev
   waiting in its queue, and none delivered to a worker within the last lease (a live worker takes a chunk's lease
   the moment it starts it). That is a chunk whose worker died (its message unacknowledged until the visibility
   timeout, 10 minutes by default), or was stalled past its lease, or whose message vanished (a purged queue, a
-  Redis that lost its data). Sent again at once: the new task takes the lease and runs it, so a dead worker's chunk
-  runs again within about a lease and a sweep of its death (`Settings.chunk_lease_seconds`), not the visibility
-  timeout. The ledger keeps it exactly-once: the old message, when the broker hands it back, finds the chunk done;
+  Redis that lost its data). Sent again at once: the new task takes the lease and runs it. The queues are read at
+  most once per half lease (`jobs.tasks`), so a dead worker's chunk runs again within about 1.5 leases of its
+  death plus a beat interval (`Settings.chunk_lease_seconds`, 60 s: under two minutes), not the visibility timeout. The ledger keeps it exactly-once: the old message, when the broker hands it back, finds the chunk done;
   a stalled holder that resumes finds its lease taken and drops its results (`jobs.run.lease`);
 - idempotency keys past their lifetime are deleted.
 
