@@ -55,6 +55,7 @@ class BlockManager:
         num_host_blocks: int = 0,
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,  # tokens that every layer attends back (None: some layer attends all)
+        reuse_cached_before_fresh: bool = False,  # a pool whose untouched blocks cost no memory yet (CPU): see below
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -66,6 +67,14 @@ class BlockManager:
         # A stack: the most recently freed block is reused first, while it is still in the CPU's
         # caches and its pages are mapped (a fresh page of the lazily zeroed pool faults on first write).
         self._free: list[int] = list(reversed(range(num_blocks)))
+        # Blocks never used sit at the bottom of that stack (freed ones are pushed above them): the first
+        # `_num_fresh` entries. A CPU pool is lazily zeroed memory, so each fresh block taken adds its pages to the
+        # process for good; with `reuse_cached_before_fresh` the least recently used cached block is evicted and
+        # reused instead, so the pool's touched part stays the working set's size however many batches pass (a
+        # prefix cache filling every fresh block grew a worker's memory with every batch). On a GPU the pool is
+        # committed memory either way and the cache keeps every block it can.
+        self._num_fresh = num_blocks
+        self.reuse_cached_before_fresh = reuse_cached_before_fresh
         self._ref_counts = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
         self._num_registered: dict[int, int] = {}  # seq id -> leading blocks offered to the prefix cache
@@ -257,7 +266,13 @@ class BlockManager:
             index -= 1
 
     def _take_empty(self) -> int:
-        block = self._free.pop() if self._free else self.prefix_cache.evict()  # type: ignore[union-attr]
+        only_fresh_left = len(self._free) == self._num_fresh
+        evictable = self.prefix_cache is not None and self.prefix_cache.num_evictable > 0
+        if self._free and not (only_fresh_left and evictable and self.reuse_cached_before_fresh):
+            block = self._free.pop()
+            self._num_fresh = min(self._num_fresh, len(self._free))
+        else:
+            block = self.prefix_cache.evict()  # type: ignore[union-attr]
         self._ref_counts[block] = 1
         return block
 
