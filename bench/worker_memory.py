@@ -6,15 +6,18 @@ pool of `--concurrency` threads, as Celery's thread pool runs chunks, then the s
 variant runs in a fresh process (resident memory is a property of the process's history) and reports its RSS after
 the engine is built and warmed, then after each of `--batches` batches of `--lines` chat lines:
 
-  as shipped   glibc's default: an arena per thread that allocates (up to 8 per core), memory freed by Python
-               and torch kept in them
-  trimmed      the worker's fix (`jobs.run.memory.return_freed_memory` after every chunk, arenas capped at start)
+  as shipped   glibc's default (an arena per thread that allocates, up to 8 per core, keeping what Python and
+               torch free), and a prefix cache that takes a fresh KV block before reusing a cached one
+  trimmed      malloc arenas capped at start and `malloc_trim` after every chunk (`jobs.run.memory`)
+  fixed        trimmed, and the CPU pool's cached blocks reused before fresh ones (`BlockManager
+               .reuse_cached_before_fresh`): the worker as it runs now
 
 The figure that matters is the growth from the first batch to the last: a leak grows every batch, fragmentation
 settles, a fixed worker stays within ~10 %. Two more columns say where the memory is: Python's live blocks
 (`sys.getallocatedblocks`, after a collection) after the last batch, which a leak of records or detokenizer state
 would grow, and the RSS once `malloc_trim` has run in the as-shipped process: what it gives back was free memory
-glibc kept, not live data.
+glibc kept, not live data. `KV touched` is the KV pool's blocks ever used, in MiB: a CPU pool is lazily zeroed
+memory, so that much of it is in the process.
 
     python -m bench.worker_memory --lines 400 --batches 3
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 from redis import Redis
 
 from engine.engine_loop import EngineLoop
+from engine.kv_cache import bytes_per_block
 from engine.llm_engine import LLMEngine
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from jobs.models import Batch
@@ -47,7 +51,7 @@ from jobs.stop_flags import StopFlags
 from jobs.storage import ObjectStore
 
 CHAT = "/v1/chat/completions"
-VARIANTS = ("as shipped", "trimmed")
+VARIANTS = ("as shipped", "trimmed", "fixed")
 
 
 def rss_mib() -> float:
@@ -83,12 +87,15 @@ def chat_lines(batch_number: int, count: int, max_tokens: int) -> list[bytes]:
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, list[float] | float]:
     """RSS (MiB) after warm-up, then after each batch, in this process; Python's live blocks after warm-up and after
     the last batch; the RSS after a malloc_trim at the end."""
-    trimmed = variant == "trimmed"
+    trimmed = variant != "as shipped"
     if trimmed:
         cap_malloc_arenas()
     loop = EngineLoop.build(lambda: LLMEngine(DEFAULT_MODEL, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs))
     engine = loop.engine
     assert engine.tokenizer is not None
+    blocks = engine.block_manager
+    blocks.reuse_cached_before_fresh = variant == "fixed"  # set before the engine has run anything
+    block_mib = bytes_per_block(engine.model_config, engine.config.block_size, engine.dtype) / 2**20
     redis = Redis.from_url(args.redis_url)
     handle = EngineHandle(
         loop=loop,
@@ -119,15 +126,16 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, list[float]
     try:
         run_batch(0, chat_lines(0, args.chunk_size, args.max_tokens))  # warm-up: one chunk
         figures = [rss_mib()]
-        blocks = [python_blocks()]
+        python = [python_blocks()]
         for number in range(1, args.batches + 1):
             started = time.monotonic()
             run_batch(number, chat_lines(number, args.lines, args.max_tokens))
             figures.append(rss_mib())
             print(f"{variant}: batch {number} in {time.monotonic() - started:.0f} s, RSS {figures[-1]:.0f} MiB", file=sys.stderr)
-        blocks.append(python_blocks())
+        python.append(python_blocks())
+        kv_touched = (blocks.num_blocks - blocks.num_fresh_blocks) * block_mib
         return_freed_memory()
-        return {"rss": figures, "python_blocks": blocks, "rss_trimmed": rss_mib()}
+        return {"rss": figures, "python_blocks": python, "rss_trimmed": rss_mib(), "kv_touched": kv_touched}
     finally:
         loop.stop()
         redis.close()
@@ -159,7 +167,7 @@ def main() -> None:
     )
     header = [
         "variant", "warm", *(f"after batch {n}" for n in range(1, args.batches + 1)), "last / first batch",
-        "Python blocks warm → last (k)", "after malloc_trim",
+        "Python blocks warm → last (k)", "after malloc_trim", "KV touched",
     ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -168,6 +176,7 @@ def main() -> None:
         cells = [
             variant, *(f"{figure:.0f}" for figure in rss), f"{rss[-1] / rss[1]:.3f}",
             f"{blocks[0] / 1000:.0f} → {blocks[1] / 1000:.0f}", f"{result['rss_trimmed']:.0f}",
+            f"{result['kv_touched']:.0f}",
         ]
         print("| " + " | ".join(cells) + " |")
 

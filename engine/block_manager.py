@@ -93,6 +93,11 @@ class BlockManager:
         return len(self._free) + (self.prefix_cache.num_evictable if self.prefix_cache else 0)
 
     @property
+    def num_fresh_blocks(self) -> int:
+        """Blocks never used yet: on a CPU pool, ones whose pages are not yet in the process's memory."""
+        return self._num_fresh
+
+    @property
     def num_free_host_blocks(self) -> int:
         return len(self._host_free)
 
