@@ -69,10 +69,11 @@ class BlockManager:
         self._free: list[int] = list(reversed(range(num_blocks)))
         # Blocks never used sit at the bottom of that stack (freed ones are pushed above them): the first
         # `_num_fresh` entries. A CPU pool is lazily zeroed memory, so each fresh block taken adds its pages to the
-        # process for good; with `reuse_cached_before_fresh` the least recently used cached block is evicted and
-        # reused instead, so the pool's touched part stays the working set's size however many batches pass (a
-        # prefix cache filling every fresh block grew a worker's memory with every batch). On a GPU the pool is
-        # committed memory either way and the cache keeps every block it can.
+        # process for good; with `reuse_cached_before_fresh`, once the prefix cache keeps as many idle blocks as
+        # the sequences hold, its least recently used block is evicted and reused instead of a fresh one, so the
+        # pool's touched part stays within twice the working set however many batches pass (a cache filling every
+        # fresh block grew a worker's memory with every batch). On a GPU the pool is committed memory either way
+        # and the cache keeps every block it can.
         self._num_fresh = num_blocks
         self.reuse_cached_before_fresh = reuse_cached_before_fresh
         self._ref_counts = [0] * num_blocks
@@ -271,15 +272,21 @@ class BlockManager:
             index -= 1
 
     def _take_empty(self) -> int:
-        only_fresh_left = len(self._free) == self._num_fresh
-        evictable = self.prefix_cache is not None and self.prefix_cache.num_evictable > 0
-        if self._free and not (only_fresh_left and evictable and self.reuse_cached_before_fresh):
+        if self._free and not self._reuse_cached():
             block = self._free.pop()
             self._num_fresh = min(self._num_fresh, len(self._free))
         else:
             block = self.prefix_cache.evict()  # type: ignore[union-attr]
         self._ref_counts[block] = 1
         return block
+
+    def _reuse_cached(self) -> bool:
+        """Whether the next empty block is a cached one evicted rather than a fresh one (see `_num_fresh`)."""
+        if not self.reuse_cached_before_fresh or self.prefix_cache is None or len(self._free) > self._num_fresh:
+            return False  # a freed block is warm and caches nothing: always first
+        idle = self.prefix_cache.num_evictable
+        held = self.num_blocks - len(self._free) - idle
+        return idle > 0 and idle >= held
 
     def _take_shared(self, block: int) -> None:
         if self._ref_counts[block] == 0:
