@@ -122,7 +122,7 @@ def install_error_handlers(app: FastAPI) -> None:
         location = [str(part) for part in first["loc"] if part not in ("body", "query", "path", "header")]
         param = ".".join(location) or None
         more = f" (and {len(error.errors()) - 1} more problems)" if len(error.errors()) > 1 else ""
-        subject = f"'{param}'" if param else "the request"
+        subject = f"'{param}'" if param else "request"
         return _answer(request, 400, f"Invalid {subject}: {first['msg']}{more}", param=param)
 
     @app.exception_handler(DataError)

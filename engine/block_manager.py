@@ -55,6 +55,7 @@ class BlockManager:
         num_host_blocks: int = 0,
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,  # tokens that every layer attends back (None: some layer attends all)
+        reuse_cached_before_fresh: bool = False,  # a pool whose untouched blocks cost no memory yet (CPU): see below
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -66,6 +67,15 @@ class BlockManager:
         # A stack: the most recently freed block is reused first, while it is still in the CPU's
         # caches and its pages are mapped (a fresh page of the lazily zeroed pool faults on first write).
         self._free: list[int] = list(reversed(range(num_blocks)))
+        # Blocks never used sit at the bottom of that stack (freed ones are pushed above them): the first
+        # `_num_fresh` entries. A CPU pool is lazily zeroed memory, so each fresh block taken adds its pages to the
+        # process for good; with `reuse_cached_before_fresh`, once the prefix cache keeps as many idle blocks as
+        # the sequences hold, its least recently used block is evicted and reused instead of a fresh one, so the
+        # pool's touched part stays within twice the working set however many batches pass (a cache filling every
+        # fresh block grew a worker's memory with every batch). On a GPU the pool is committed memory either way
+        # and the cache keeps every block it can.
+        self._num_fresh = num_blocks
+        self.reuse_cached_before_fresh = reuse_cached_before_fresh
         self._ref_counts = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
         self._num_registered: dict[int, int] = {}  # seq id -> leading blocks offered to the prefix cache
@@ -82,6 +92,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks available to allocate: empty ones plus cached ones nobody holds."""
         return len(self._free) + (self.prefix_cache.num_evictable if self.prefix_cache else 0)
+
+    @property
+    def num_fresh_blocks(self) -> int:
+        """Blocks never used yet: on a CPU pool, ones whose pages are not yet in the process's memory."""
+        return self._num_fresh
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -257,9 +272,21 @@ class BlockManager:
             index -= 1
 
     def _take_empty(self) -> int:
-        block = self._free.pop() if self._free else self.prefix_cache.evict()  # type: ignore[union-attr]
+        if self._free and not self._reuse_cached():
+            block = self._free.pop()
+            self._num_fresh = min(self._num_fresh, len(self._free))
+        else:
+            block = self.prefix_cache.evict()  # type: ignore[union-attr]
         self._ref_counts[block] = 1
         return block
+
+    def _reuse_cached(self) -> bool:
+        """Whether the next empty block is a cached one evicted rather than a fresh one (see `_num_fresh`)."""
+        if not self.reuse_cached_before_fresh or self.prefix_cache is None or len(self._free) > self._num_fresh:
+            return False  # a freed block is warm and caches nothing: always first
+        idle = self.prefix_cache.num_evictable
+        held = self.num_blocks - len(self._free) - idle
+        return idle > 0 and idle >= held
 
     def _take_shared(self, block: int) -> None:
         if self._ref_counts[block] == 0:

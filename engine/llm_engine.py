@@ -128,6 +128,7 @@ class LLMEngine:
             shard.num_host_blocks,
             self.config.enable_prefix_caching,
             self.model_config.uniform_window,
+            reuse_cached_before_fresh=self.device.type == "cpu",  # a CPU pool's fresh blocks cost memory when used
         )
         self.scheduler = Scheduler(self.config, self.block_manager, self.model_config.long_rope_threshold)
         self._bytes_per_block = shard.bytes_per_block * tp_size  # the block on every rank

@@ -104,7 +104,7 @@ def check_priority(priority: int) -> None:
 
 
 def check_input_file(session: Session, project_id: str, input_file_id: str) -> File:
-    input_file = get_file(session, project_id, input_file_id)
+    input_file = get_file(session, project_id, input_file_id, lock="share")  # not deleted under the new batch
     if input_file.purpose != FilePurpose.batch:
         raise ServiceError(
             "invalid_request",

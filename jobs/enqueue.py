@@ -15,10 +15,15 @@ def validate(batch_id: str, model: str | None = None) -> None:
     celery_app.send_task(TaskName.validate, (batch_id,), queue=CONTROL_QUEUE if model is None else model_queue(model))
 
 
+def chunk_queue(model: str | None) -> str:
+    """The queue of a batch's chunks: its model's, which only workers serving it consume."""
+    return UNROUTED_QUEUE if model is None else model_queue(model)
+
+
 def run_chunk(batch_id: str, index: int, batch_priority: int, model: str | None) -> None:
-    """Onto the queue of the batch's model, which only workers serving it consume."""
-    queue = UNROUTED_QUEUE if model is None else model_queue(model)
-    celery_app.send_task(TaskName.run_chunk, (batch_id, index), queue=queue, priority=message_priority(batch_priority))
+    celery_app.send_task(
+        TaskName.run_chunk, (batch_id, index), queue=chunk_queue(model), priority=message_priority(batch_priority)
+    )
 
 
 def finalize(batch_id: str) -> None:

@@ -6,14 +6,14 @@ import hashlib
 import logging
 from collections.abc import Mapping
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Connection, Row, or_, select
+from sqlalchemy import ColumnElement, Connection, Row, exists, or_, select
 from sqlalchemy.orm import Session
 
 from jobs.db import SessionFactory
 from jobs.errors import ServiceError
-from jobs.models import File, FilePurpose, utcnow
+from jobs.models import TERMINAL_BATCH_STATUSES, Batch, File, FilePurpose, utcnow
 from jobs.pagination import Order, Page, paginate
 from jobs.storage import ObjectStore
 
@@ -51,6 +51,11 @@ def upload_expiry(fields: Mapping[str, str], created_at: datetime) -> datetime |
         return None
     seconds = expiry_seconds(fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]"), "expires_after")
     return created_at + timedelta(seconds=seconds)
+
+
+def _reading() -> ColumnElement[bool]:
+    """Batches that may still read their input file: those not ended."""
+    return Batch.status.not_in(TERMINAL_BATCH_STATUSES)
 
 
 def _live() -> ColumnElement[bool]:
@@ -98,8 +103,13 @@ def record_file(
     return row
 
 
-def get_file(session: Session, project_id: str, file_id: str) -> File:
-    row = session.scalar(select(File).where(File.id == file_id, File.project_id == project_id, _live()))
+def get_file(session: Session, project_id: str, file_id: str, *, lock: Literal["share", "update"] | None = None) -> File:
+    """The project's live file; `lock` holds its row until the transaction ends (a batch made from it takes a share
+    lock, a delete an exclusive one, so neither misses the other)."""
+    query = select(File).where(File.id == file_id, File.project_id == project_id, _live())
+    if lock is not None:
+        query = query.with_for_update(read=lock == "share")
+    row = session.scalar(query)
     if row is None:
         raise ServiceError("not_found", f"No such File object: {file_id}", param="file_id")
     return row
@@ -117,7 +127,20 @@ def list_files(
 
 
 def delete_file(session: Session, store: ObjectStore, project_id: str, file_id: str) -> None:
-    row = get_file(session, project_id, file_id)
+    """Delete the file's row, then its bytes; refused (409 `file_in_use`) while a batch that reads it has not ended:
+    its chunks read their lines from the file while they run."""
+    row = get_file(session, project_id, file_id, lock="update")
+    reader = session.execute(
+        select(Batch.id, Batch.status).where(Batch.input_file_id == file_id, _reading()).limit(1)
+    ).first()
+    if reader is not None:
+        raise ServiceError(
+            "conflict",
+            f"file {file_id} is the input of batch {reader.id}, which is {reader.status.value}: a running batch reads "
+            "its input until it ends; delete the file once the batch has ended, or cancel the batch first",
+            param="file_id",
+            code="file_in_use",
+        )
     session.delete(row)
     # The row goes first: a crash between the two leaves an orphaned object, never a row without bytes.
     session.commit()
@@ -129,7 +152,11 @@ def delete_expired_files(sessions: SessionFactory, store: ObjectStore) -> int:
     without bytes). Returns how many were deleted."""
     with sessions.begin() as session:
         expired = session.scalars(
-            select(File).where(File.expires_at <= utcnow()).limit(EXPIRED_FILES_PER_SWEEP).with_for_update(skip_locked=True)
+            select(File)
+            # The input of a batch still running is kept until the batch ends (it is gone for readers already).
+            .where(File.expires_at <= utcnow(), ~exists().where(Batch.input_file_id == File.id, _reading()))
+            .limit(EXPIRED_FILES_PER_SWEEP)
+            .with_for_update(skip_locked=True)
         ).all()
         keys = [row.object_key for row in expired]
         for row in expired:

@@ -162,6 +162,9 @@ class Chunk(Base):
     num_requests: Mapped[int] = mapped_column(Integer)  # valid requests in the range
     # Line numbers in the range that validation already rejected (their error records are written): skipped here.
     rejected_lines: Mapped[list[int]] = mapped_column(JSONB, default=list)
+    # The accepted lines' ids (custom_id, document id), in order: their error records when the chunk cannot run
+    # need nothing else. None for chunks recorded before migration 0007, whose ids are read from the input.
+    request_ids: Mapped[list[str] | None] = mapped_column(JSONB)
     status: Mapped[ChunkStatus] = mapped_column(Enum(ChunkStatus, name="chunk_status"), default=ChunkStatus.pending)
     completed_requests: Mapped[int] = mapped_column(Integer, default=0)
     failed_requests: Mapped[int] = mapped_column(Integer, default=0)

@@ -10,6 +10,14 @@ not terminal when its completion window ends. This one covers the tasks that nev
   paced (`Batch.finalize_resent_at`): each waits at least half the time the batch has been stalled, so one whose
   finalize keeps failing gets a handful of them (at 1, 2, 4, 8, ... minutes), not one per sweep, each with its own
   chain of Celery retries;
+- an `in_progress` batch's pending chunk whose task is lost (`resend_lost_chunks`): no live lease, no message
+  waiting in its queue, and none delivered to a worker within the last lease (a live worker takes a chunk's lease
+  the moment it starts it). That is a chunk whose worker died (its message unacknowledged until the visibility
+  timeout, 10 minutes by default), or was stalled past its lease, or whose message vanished (a purged queue, a
+  Redis that lost its data). Sent again at once: the new task takes the lease and runs it. The queues are read at
+  most once per half lease (`jobs.tasks`), so a dead worker's chunk runs again within about 1.5 leases of its
+  death plus a beat interval (`Settings.chunk_lease_seconds`, 60 s: under two minutes), not the visibility timeout. The ledger keeps it exactly-once: the old message, when the broker hands it back, finds the chunk done;
+  a stalled holder that resumes finds its lease taken and drops its results (`jobs.run.lease`);
 - idempotency keys past their lifetime are deleted.
 
 A task that cannot be sent now (Redis still down) is tried again by the next sweep.
@@ -22,16 +30,19 @@ With the expiry sweep that bounds every batch: terminal at the latest `finalize_
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, func, or_, select, update
+from sqlalchemy import ColumnElement, Row, func, or_, select, update
 
 from jobs import idempotency
+from jobs.broker_messages import ChunkMessages
 from jobs.db import SessionFactory
 from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, utcnow
 from jobs.object_keys import batch_prefix
+from jobs.run.lease import ChunkLeases
 from jobs.run.ledger import fail_locked
 from jobs.storage import ObjectStore
 
@@ -72,6 +83,53 @@ def resend_lost_work(
     for batch_id in stalled_ids:
         log.info("batch %s: sending finalize again, the batch has not moved for %d s", batch_id, STALLED_SECONDS)
         enqueue_finalize(batch_id)
+
+
+def resend_lost_chunks(
+    sessions: SessionFactory,
+    leases: ChunkLeases,
+    broker_messages: Callable[[set[str | None]], ChunkMessages],
+    enqueue_run_chunk: Callable[[str, int, int, str | None], None],
+    now: datetime | None = None,
+) -> int:
+    """Send again the pending chunks of `in_progress` batches whose task is lost; `broker_messages` reads what the
+    broker holds for the chunks of these models' queues. Returns how many were sent."""
+    now = now or utcnow()
+    lease = timedelta(seconds=leases.lease_seconds)
+    with sessions() as session:
+        pending = session.execute(
+            select(Chunk.batch_id, Chunk.index, Batch.priority, Batch.model)
+            .join(Batch, Batch.id == Chunk.batch_id)
+            # Started a lease ago at least: validate enqueues the chunks just after it commits them.
+            .where(Batch.status == BatchStatus.in_progress, Batch.in_progress_at <= now - lease)
+            .where(Chunk.status == ChunkStatus.pending)
+            .order_by(Chunk.batch_id, Chunk.index)
+        ).all()
+    unleased = [row for row, leased in zip(pending, _leased(leases, pending)) if not leased]
+    if not unleased:
+        return 0
+    held = broker_messages({row.model for row in unleased})
+    delivered_before = (now - lease).timestamp()
+    lost = [
+        row
+        for row in unleased
+        if (row.batch_id, row.index) not in held.queued
+        and held.delivered_at.get((row.batch_id, row.index), 0.0) <= delivered_before
+    ]
+    for row in lost:
+        log.warning(
+            "batch %s chunk %d: no lease, no queued task and none delivered within %g s: sending it again",
+            row.batch_id, row.index, leases.lease_seconds,
+        )
+        enqueue_run_chunk(row.batch_id, row.index, row.priority, row.model)
+    return len(lost)
+
+
+def _leased(leases: ChunkLeases, chunks: list[Row[tuple[str, int, int, str | None]]]) -> list[bool]:
+    held: list[bool] = []
+    for batch_id, rows in itertools.groupby(chunks, key=lambda row: row.batch_id):
+        held += leases.held(batch_id, [row.index for row in rows])
+    return held
 
 
 def _resend_due(batch: Batch, now: datetime) -> bool:

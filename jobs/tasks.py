@@ -15,10 +15,12 @@ from engine.admission import EngineFailed
 from jobs import enqueue, files
 from jobs.celery_app import TaskName
 from jobs.expiry import expire_due_batches
-from jobs.recovery import fail_stalled_finalizes, resend_lost_work
+from jobs.broker_messages import chunk_messages
+from jobs.recovery import fail_stalled_finalizes, resend_lost_chunks, resend_lost_work
 from jobs.models import utcnow
 from jobs.run.lease import ChunkBusy
-from jobs.run.pipeline import Pipeline
+from jobs.run.memory import return_freed_memory
+from jobs.run.pipeline import ChunkCannotRun, Pipeline
 from jobs.schedules.firing import fire_due_schedules
 from jobs.webhooks.delivery import DeliveryPolicy, attempt_delivery, send_due_deliveries
 
@@ -49,12 +51,12 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
     def give_up_chunk(
         task: Task, error: BaseException, task_id: str, args: tuple[str, int], kwargs: dict[str, object], einfo: object
     ) -> None:
-        # As for validate: no retry is left, so the chunk's requests fail now and the batch finalizes, instead of
-        # the batch waiting in `in_progress` for its expiry.
+        # As for validate: no retry is left (or none could succeed: ChunkCannotRun is not retried), so the chunk's
+        # requests fail now and the batch finalizes, instead of the batch waiting in `in_progress` for its expiry.
         pipeline.give_up_chunk(args[0], args[1], task.request.retries + 1, error)
 
     @task(
-        name=TaskName.run_chunk, bind=True, autoretry_for=(Exception,), dont_autoretry_for=(Reject,),
+        name=TaskName.run_chunk, bind=True, autoretry_for=(Exception,), dont_autoretry_for=(Reject, ChunkCannotRun),
         retry_backoff=True, max_retries=8, on_failure=give_up_chunk,
     )
     def run_chunk(self: Task, batch_id: str, index: int) -> None:
@@ -72,6 +74,8 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
             # (jobs.worker). The chunk wrote nothing and released its lease; its message goes back to the queue now,
             # for a worker whose engine runs, without spending one of its retries.
             raise Reject(failed, requeue=True) from failed
+        finally:
+            return_freed_memory()  # what the chunk's requests and records held goes back to the system (jobs.run.memory)
 
     # Its retries spent, a finalize is sent again by the recovery sweep until `finalize_timeout_seconds` fail it.
     @task(name=TaskName.finalize, autoretry_for=(Exception,), retry_backoff=True, max_retries=8)
@@ -92,6 +96,19 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
     def recover_lost_work() -> None:
         # No retries: beat sends the next sweep in a few seconds anyway.
         resend_lost_work(pipeline.sessions, enqueue.validate, enqueue.finalize)
+        leases = pipeline.leases
+        # Reading the queues costs a pass over every queued chunk message: at most once per half lease, whichever
+        # worker's sweep comes first (a dead worker's chunk still runs again within about 1.5 leases of its death).
+        scan_key = f"{settings.redis_prefix}lost-chunk-scan"
+        if leases.redis.set(scan_key, 1, nx=True, ex=max(1, int(leases.lease_seconds / 2))):
+            resend_lost_chunks(
+                pipeline.sessions,
+                leases,
+                lambda models: chunk_messages(
+                    leases.redis, settings.redis_prefix, {enqueue.chunk_queue(model) for model in models}
+                ),
+                enqueue.run_chunk,
+            )
         pipeline.enqueue_webhook_deliveries(
             fail_stalled_finalizes(pipeline.sessions, pipeline.store, settings.finalize_timeout_seconds)
         )

@@ -36,6 +36,7 @@ from jobs.rag.kind import RagKind
 from jobs.run.embeddings import EmbeddingsKind
 from jobs.run.generation import GenerationKind
 from jobs.run.kinds import EngineHandle, JobKind
+from jobs.run.memory import cap_malloc_arenas
 from jobs.run.pipeline import Pipeline
 from jobs.served_models import UNROUTED_QUEUE, ModelRegistry, WorkerModels, parse_aliases, parse_names, process_models
 from jobs.settings import Settings
@@ -136,6 +137,7 @@ def run_worker(
 ) -> int:
     """Consume `queues`; None: the control queue, the unrouted one and the queues of the models this worker serves.
     Returns the process's exit status."""
+    cap_malloc_arenas()  # before the engine's and the pool's threads exist (jobs.run.memory)
     loop = build_engine(settings)  # before consuming: a model that cannot load fails the worker at start
     pipeline = build_pipeline(settings, loop)
     register_tasks(celery_app, pipeline)

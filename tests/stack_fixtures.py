@@ -7,12 +7,14 @@ that share this machine's servers, CI's included, never see each other's data or
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from redis import Redis
 
 from conveyor.local_stack import (
     ManagedProcess,
@@ -20,6 +22,7 @@ from conveyor.local_stack import (
     scratch_database,
     scratch_redis_prefix,
     start_api,
+    start_beat,
     start_worker,
 )
 from jobs import db
@@ -57,7 +60,8 @@ def service_settings(database_url: str, s3_settings: S3Settings) -> Iterator[Set
             rag_documents_per_chunk=2,  # RAG jobs of a few documents still run several chunks and merge their parts
             worker_concurrency=4,
             task_visibility_timeout=15,  # a killed worker's tasks come back within ~20 s
-            chunk_lease_seconds=6,
+            # Renewed every third of it: a renewal thread starved for 20 s is past what a machine at load 8 does.
+            chunk_lease_seconds=20,
             engine_options={"max_num_seqs": 64},
             api_port=free_port(),
             worker_metrics_port=0,  # not the fixed default: test runs share this machine; tests that scrape pick a free one
@@ -106,11 +110,69 @@ def running_stack(settings: Settings, folder: Path, with_worker: bool = True) ->
         stack.stop()
 
 
+@contextmanager
+def running_stack_with_beat(settings: Settings, folder: Path) -> Iterator[Stack]:
+    """A stack and its own beat, for tests of what the periodic sweeps do."""
+    with running_stack(settings, folder) as stack:
+        beat = start_beat(settings, folder / "beat.log")
+        try:
+            yield stack
+        finally:
+            beat.stop()
+
+
 @pytest.fixture(scope="session")
 def stack(service_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The shared stack: API + one worker on SmolLM2, for tests that leave it running."""
+    """The shared stack: API + one worker on SmolLM2, for tests that leave it running. A test that starts work on
+    it waits for that work or cancels it: `shared_worker_left_idle` checks after every module."""
     with running_stack(service_settings, tmp_path_factory.mktemp("stack")) as shared:
-        yield shared
+        SHARED_STACKS.append(shared)
+        try:
+            yield shared
+        finally:
+            SHARED_STACKS.remove(shared)
+
+
+SHARED_STACKS: list[Stack] = []  # the session's shared stack, while it runs
+# How long a module's trailing work (a finalize, a webhook attempt) may take to drain, on a machine at load 8.
+IDLE_GRACE_SECONDS = 60.0
+
+
+def unfinished_work(settings: Settings) -> list[str]:
+    """What the workers of these settings' Redis prefix still have to do: chunks holding their lease, tasks queued
+    or delivered and not yet acknowledged."""
+    redis = Redis.from_url(settings.redis_url)
+    prefix = settings.redis_prefix
+    try:
+        work = [key.decode().removeprefix(prefix) for key in redis.scan_iter(f"{prefix}chunk-lease:*")]
+        for pattern in ("control*", "gpu*"):  # every queue, at every message priority
+            work += [
+                f"{length} queued in {key.decode().removeprefix(prefix)!r}"
+                for key in redis.scan_iter(f"{prefix}{pattern}")
+                if redis.type(key) == b"list" and (length := redis.llen(key))
+            ]
+        if unacked := redis.hlen(f"{prefix}unacked"):
+            work.append(f"{unacked} delivered and not acknowledged")
+        return work
+    finally:
+        redis.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_worker_left_idle(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the module that leaves work running on the shared worker: it would take the worker (and a core) from
+    every test after it."""
+    yield
+    for shared in SHARED_STACKS:
+        deadline = time.monotonic() + IDLE_GRACE_SECONDS
+        while work := unfinished_work(shared.settings):
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"{request.module.__name__} left work on the shared worker after {IDLE_GRACE_SECONDS:g} s: "
+                    f"{work}; a test that starts a batch there waits for it or cancels it",
+                    pytrace=False,
+                )
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ from jobs.rag.processing import (
 )
 from jobs.rag.splitter import TextSplitter
 from jobs.run.kinds import ChunkResult, EngineHandle, FinishedChunks
-from jobs.run.split import LineNumber, RejectedLine, ValidationTally
+from jobs.run.split import LineNumber, RejectedLine, RequestId, ValidationTally
 from jobs.settings import S3Settings, Settings
 from jobs.stop_flags import StopFlags, StopReason
 from jobs.storage import DEFAULT_PART_BYTES, ObjectNotFound, ObjectRefused, ObjectStore
@@ -76,12 +76,14 @@ class DocumentLines:
         self.per_chunk = per_chunk
         self._seen_ids: set[str] = set()  # ids are the rows' keys in the output: each names one document
 
-    def check(self, line_number: LineNumber, line: bytes) -> RejectedLine | None:
+    def check(self, line_number: LineNumber, line: bytes) -> RequestId | RejectedLine:
         try:
             document = parse_document_line(line)
         except DocumentError as invalid:
-            code = "invalid_document" if _is_json_object(line) else "invalid_json_line"
-            return _rejected(line_number, None, code, str(invalid))
+            record = _json_object(line)
+            code = "invalid_document" if record is not None else "invalid_json_line"
+            given_id = record.get("id") if record is not None else None  # the line's own id, when it gave one
+            return _rejected(line_number, given_id if isinstance(given_id, str) else None, code, str(invalid))
         if document.id in self._seen_ids:
             return _rejected(line_number, document.id, "duplicate_document_id", f"id {document.id!r} is used twice")
         self._seen_ids.add(document.id)
@@ -90,16 +92,16 @@ class DocumentLines:
                 inbox_object_key(document.uri, self.s3, self.project_id)
             except DocumentError as outside:
                 return _rejected(line_number, document.id, "uri_outside_inbox", str(outside))
-        return None
+        return document.id
 
     def refusal(self, tally: ValidationTally) -> tuple[str, str] | None:
         return None  # a RAG job may hold any number of documents
 
-    def expired_record(self, line: bytes) -> bytes:
-        return expired_document_record(line)
+    def expired_record(self, request_id: RequestId) -> bytes:
+        return expired_document_record(request_id)
 
-    def unrun_record(self, line: bytes, code: str, message: str) -> bytes:
-        return document_error_record(json.loads(line)["id"], code, message)
+    def unrun_record(self, request_id: RequestId, code: str, message: str) -> bytes:
+        return document_error_record(request_id, code, message)
 
     def too_long(self, line_number: LineNumber, limit: int) -> RejectedLine:
         # Past the limit a document goes by uri, its bytes in the object store.
@@ -107,9 +109,8 @@ class DocumentLines:
         return _rejected(line_number, None, "document_too_large", message)
 
 
-def expired_document_record(line: bytes) -> bytes:
+def expired_document_record(doc_id: str) -> bytes:
     """The error record of a document (its line accepted by validate) that the job's expiry left unprocessed."""
-    doc_id = json.loads(line)["id"]
     return document_error_record(doc_id, "batch_expired", "the job expired before this document was processed")
 
 
@@ -171,7 +172,7 @@ class RagKind:
             stopped = self.stop_flags.reason(job.id)
         errors = read.errors
         if stopped == StopReason.expired:  # when cancelled, as for batches: what did not run leaves no record
-            errors += [expired_document_record(line) for line in read.lines[processed:] + read.unread]
+            errors += [expired_document_record(json.loads(line)["id"]) for line in read.lines[processed:] + read.unread]
         return ChunkResult(
             output=write_parquet_bytes(records),
             errors=b"".join(errors),
@@ -327,11 +328,13 @@ def _rejected(line_number: LineNumber, doc_id: str | None, code: str, message: s
     return RejectedLine(located, document_error_record(doc_id, code, located), code == "invalid_json_line")
 
 
-def _is_json_object(line: bytes) -> bool:
+def _json_object(line: bytes) -> dict[str, Any] | None:
+    """The line as a JSON object; None if it is not one."""
     try:
-        return isinstance(json.loads(line), dict)
+        record = json.loads(line)
     except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
-        return False
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _iso(moment: datetime) -> str:

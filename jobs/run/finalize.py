@@ -9,18 +9,18 @@ second finalize overwrites, it does not add twins.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jobs.files import derived_file_id
 from jobs.models import Batch, BatchStatus, Chunk, File, FilePurpose
 from jobs.object_keys import chunk_errors_key, chunk_output_key, expired_requests_key, file_key, validation_errors_key
 from jobs.run.kinds import FinishedChunks, JobKind
-from jobs.run.split import InputLines, LineNumber
+from jobs.run.split import InputLines, RequestId
 from jobs.stop_flags import StopReason
 from jobs.storage import ObjectStore
 
-ChunkLines = Callable[[Batch, Chunk], Iterator[tuple[LineNumber, bytes]]]
+ChunkRequestIds = Callable[[Batch, Chunk], list[RequestId]]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def compose_final_files(
     failed: list[int],
     never_started: list[Chunk],
     stop_reason: StopReason | None,
-    chunk_lines: ChunkLines,
+    chunk_request_ids: ChunkRequestIds,
 ) -> FinalFiles:
     """The job's output, error and report files from its done chunks (`done`: their indexes, in order) and the
     error records of its failed ones (`failed`); for an expired job, `never_started` are its skipped chunks, whose
@@ -71,7 +71,7 @@ def compose_final_files(
     completed, failed_requests = batch.completed_requests, batch.failed_requests
     expired_unstarted = sum(chunk.num_requests for chunk in never_started)
     if expired_unstarted:
-        _write_expired_requests(store, batch, never_started, kind.input_lines(batch), chunk_lines)
+        _write_expired_requests(store, batch, never_started, kind.input_lines(batch), chunk_request_ids)
     failed_requests += expired_unstarted
     finished = FinishedChunks(batch, [chunk_output_key(batch.id, index) for index in done], stop_reason)
     files: list[File] = []
@@ -90,10 +90,10 @@ def compose_final_files(
 
 
 def _write_expired_requests(
-    store: ObjectStore, batch: Batch, chunks: list[Chunk], lines: InputLines, chunk_lines: ChunkLines
+    store: ObjectStore, batch: Batch, chunks: list[Chunk], lines: InputLines, chunk_request_ids: ChunkRequestIds
 ) -> None:
     """A `batch_expired` error line for each request of the chunks that never ran, as OpenAI reports them."""
     with store.upload_stream(expired_requests_key(batch.id)) as records:
         for chunk in chunks:
-            for _, line in chunk_lines(batch, chunk):
-                records.write(lines.expired_record(line))
+            for request_id in chunk_request_ids(batch, chunk):
+                records.write(lines.expired_record(request_id))

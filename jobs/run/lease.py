@@ -5,6 +5,12 @@ died or is merely slow. The lease tells the two apart: a running chunk holds `ch
 `CONVEYOR_CHUNK_LEASE_SECONDS`, renewed by a thread every third of that while it runs, so a second delivery that
 finds it held backs off (`ChunkBusy`), and one whose holder died finds it lapsed and takes the chunk over.
 Finalize reads the leases too: a stopping batch's pending chunk without a lease has not started and never will.
+
+A holder that was only slow (stopped past its lease, swapped out) may find on resuming that its lease lapsed and
+another worker took the chunk over: `HeldLease.renew` then raises `LeaseLost`, and the pipeline confirms the lease
+just before writing a chunk's results, so a slow holder's results are dropped, never written beside the new
+holder's. A lapsed lease that nobody took is simply taken back. (Only a holder stalled longer than a whole lease
+between that check and its write could still write late; the lease's length is what bounds it.)
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from redis import Redis
-from redis.exceptions import LockError, RedisError
+from redis.exceptions import LockError, LockNotOwnedError, RedisError
 from redis.lock import Lock
 
 log = logging.getLogger(__name__)
@@ -23,6 +29,29 @@ log = logging.getLogger(__name__)
 
 class ChunkBusy(Exception):
     """Another worker holds this chunk's lease: try again once it has finished or its lease has lapsed."""
+
+
+class LeaseLost(Exception):
+    """This holder's lease lapsed and another holder has the chunk now: its results are that holder's to write."""
+
+
+class HeldLease:
+    """A lease this worker holds, as the block under `ChunkLeases.hold` sees it."""
+
+    def __init__(self, lock: Lock) -> None:
+        self.lock = lock
+
+    def renew(self) -> None:
+        """Extend the lease to its full length, taking it back if it lapsed and nobody took it; LeaseLost if another
+        holder has it."""
+        try:
+            self.lock.reacquire()
+            return
+        except LockNotOwnedError:
+            if self.lock.acquire(blocking=False):
+                log.warning("%s lapsed while its holder was stalled; nobody took it, so it is held again", self.lock.name)
+                return
+        raise LeaseLost(f"{self.lock.name!r} lapsed and is held by another worker")
 
 
 class ChunkLeases:
@@ -35,7 +64,7 @@ class ChunkLeases:
         return f"{self.redis_prefix}chunk-lease:{batch_id}:{index}"
 
     @contextmanager
-    def hold(self, batch_id: str, index: int) -> Iterator[None]:
+    def hold(self, batch_id: str, index: int) -> Iterator[HeldLease]:
         """Hold the chunk's lease, renewed, while the block runs; ChunkBusy at once if another holder has it."""
         lease = self.redis.lock(
             self.key(batch_id, index),
@@ -45,13 +74,14 @@ class ChunkLeases:
         )
         if not lease.acquire():
             raise ChunkBusy(f"chunk {index} of {batch_id} is running elsewhere")
+        held = HeldLease(lease)
         stop_renewing = threading.Event()
         renewer = threading.Thread(
-            target=_keep_renewing, args=(lease, stop_renewing, self.lease_seconds / 3), daemon=True
+            target=_keep_renewing, args=(held, stop_renewing, self.lease_seconds / 3), daemon=True
         )
         renewer.start()
         try:
-            yield
+            yield held
         finally:
             stop_renewing.set()
             renewer.join()
@@ -68,11 +98,12 @@ class ChunkLeases:
         return [bool(leased) for leased in leases.execute()]
 
 
-def _keep_renewing(lease: Lock, stop: threading.Event, every_seconds: float) -> None:
+def _keep_renewing(lease: HeldLease, stop: threading.Event, every_seconds: float) -> None:
     while not stop.wait(every_seconds):
         try:
-            lease.reacquire()
-        except LockError:
+            lease.renew()
+        except LeaseLost as lost:  # the block finds out when it confirms the lease before writing
+            log.warning("%s", lost)
             return
         except RedisError as unreachable:  # Redis restarting: the lease may survive it, so keep trying
-            log.warning("cannot renew %s: %s", lease.name, unreachable)
+            log.warning("cannot renew %s: %s", lease.lock.name, unreachable)

@@ -78,6 +78,7 @@ def record_chunks(
                 first_line=draft.first_line,
                 num_requests=draft.num_requests,
                 rejected_lines=draft.rejected_lines,
+                request_ids=draft.request_ids,
                 status=ChunkStatus.pending,
             )
             for index, draft in enumerate(drafts)

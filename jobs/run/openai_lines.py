@@ -6,7 +6,6 @@ one output line (`jobs.openai_format.records`), successes to the output file, fa
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from jobs.batch_limits import BatchLimits
@@ -17,7 +16,7 @@ from jobs.openai_format.responses import BatchOutputLine
 from jobs.openai_format.validation import BatchLineValidator, LineError
 from jobs.run.finalize import compose_file
 from jobs.run.kinds import ChunkResult, EngineHandle, FinishedChunks, TokenUsage
-from jobs.run.split import LineNumber, RejectedLine, ValidationTally
+from jobs.run.split import LineNumber, RejectedLine, RequestId, ValidationTally
 from jobs.storage import ObjectStore
 
 
@@ -30,23 +29,23 @@ class RequestLines:
         self.limits = limits
         self.embedding_inputs = 0  # texts of the embeddings lines checked so far
 
-    def check(self, line_number: LineNumber, line: bytes) -> RejectedLine | None:
+    def check(self, line_number: LineNumber, line: bytes) -> RequestId | RejectedLine:
         checked = self.validator.validate(line)
         if isinstance(checked, EmbeddingRequest):
             self.embedding_inputs += len(checked.texts)
         if not isinstance(checked, LineError):
-            return None
+            return checked.custom_id
         located = LineError(checked.custom_id, checked.code, f"line {line_number}: {checked.message}")
         return RejectedLine(located.message, jsonl(error_record(located)), checked.code == "invalid_json_line")
 
     def refusal(self, tally: ValidationTally) -> tuple[str, str] | None:
         return self.limits.refusal(tally.lines, self.embedding_inputs)
 
-    def expired_record(self, line: bytes) -> bytes:
-        return jsonl(expired_record(json.loads(line)["custom_id"]))
+    def expired_record(self, request_id: RequestId) -> bytes:
+        return jsonl(expired_record(request_id))
 
-    def unrun_record(self, line: bytes, code: str, message: str) -> bytes:
-        return jsonl(error_record(LineError(json.loads(line)["custom_id"], code, message)))
+    def unrun_record(self, request_id: RequestId, code: str, message: str) -> bytes:
+        return jsonl(error_record(LineError(request_id, code, message)))
 
     def too_long(self, line_number: LineNumber, limit: int) -> RejectedLine:
         message = f"line {line_number}: the line is longer than this deployment's limit of {limit} bytes"

@@ -28,20 +28,25 @@ from jobs.object_keys import file_key, validation_errors_key
 from jobs.run import ledger
 from jobs.run.finalize import compose_final_files, stop_reason_of
 from jobs.run.kinds import JobKind
-from jobs.run.lease import ChunkBusy, ChunkLeases
+from jobs.run.lease import ChunkBusy, ChunkLeases, LeaseLost
 from jobs.run.ledger import RecordedChunks
-from jobs.run.split import ChunkDraft, LineNumber, ValidationTally, accepted_lines, split_into_chunks
+from jobs.run.split import ChunkDraft, LineNumber, RequestId, ValidationTally, accepted_lines, split_into_chunks
 from jobs.formats.registry import MODEL_KINDS
 from jobs.served_models import WorkerModels
 from jobs.settings import Settings
 from jobs.stop_flags import StopFlags, StopReason
-from jobs.storage import ObjectNotFound, ObjectStore
+from jobs.storage import ObjectNotFound, ObjectRefused, ObjectStore
 
 log = logging.getLogger(__name__)
 
 # How much of the input validate reads to learn the batch's model from its first line: a line longer than this
 # leaves the batch with this worker's model.
 FIRST_LINE_BYTES = 1 << 20
+
+
+class ChunkCannotRun(Exception):
+    """A chunk that no retry can mend: its input is gone or the store refuses it. Its requests fail at once, each
+    with this error's message (it says what happened, nothing internal), and the batch completes with the rest."""
 
 
 class Pipeline:
@@ -165,7 +170,11 @@ class Pipeline:
             session.expunge_all()
         if chunk.status == ChunkStatus.pending:
             if batch.status == BatchStatus.in_progress:
-                self._complete_chunk(batch, chunk)
+                try:
+                    self._complete_chunk(batch, chunk)
+                except LeaseLost as lost:  # stalled past its lease: the chunk is another worker's now
+                    log.warning("batch %s chunk %d: results dropped, %s", batch_id, index, lost)
+                    return
             else:  # cancelling, or finalizing early because it expired: chunks not yet started never will
                 # Not this chunk unconditionally: this may be a re-delivery of a chunk another thread is running
                 # (its lease says so), whose finished results must still be kept.
@@ -186,9 +195,14 @@ class Pipeline:
     def _complete_chunk(self, batch: Batch, chunk: Chunk) -> None:
         if self._finish_if_written(batch.id, chunk.index):
             return
-        with self.leases.hold(batch.id, chunk.index):
+        with self.leases.hold(batch.id, chunk.index) as lease:
             lines = list(self._chunk_lines(batch, chunk))
             result = self.kinds[batch.endpoint].run_chunk(batch, chunk.index, lines)
+            # Still ours (LeaseLost if not), and nobody finished the chunk while this thread was stalled: only then
+            # are these results the chunk's.
+            lease.renew()
+            if self._finish_if_written(batch.id, chunk.index):
+                return
             ledger.write_chunk_result(self.store, batch.id, chunk.index, result)
             ledger.finish_chunk(
                 self.sessions, batch.id, chunk.index, ChunkStatus.done, result.completed, result.failed, result.usage
@@ -198,9 +212,11 @@ class Pipeline:
             )
 
     def give_up_chunk(self, batch_id: str, index: int, attempts: int, error: BaseException) -> None:
-        """run_chunk failed `attempts` times and is not retried again: each of the chunk's requests gets a
-        `chunk_failed` error record and the batch goes on to finalize now, not at its expiry. The client gets the
-        error's class only; the worker's log has the whole of it."""
+        """run_chunk failed `attempts` times and is not retried again (or failed with `ChunkCannotRun`, which no
+        retry mends): each of the chunk's requests gets a `chunk_failed` error record, written from the ids validate
+        recorded (never from the input, which may be what failed), and the batch goes on to finalize now, not at
+        its expiry. The client gets the error's class only, or a `ChunkCannotRun`'s message; the worker's log has
+        the whole of it."""
         log.error("batch %s chunk %d: failed %d times, failing its requests", batch_id, index, attempts, exc_info=error)
         with self.sessions() as session:
             chunk = session.get(Chunk, (batch_id, index))
@@ -223,17 +239,38 @@ class Pipeline:
         if self._finish_if_written(batch.id, chunk.index):
             return
         message = (
-            f"the request's chunk of the batch failed {attempts} times, the last with {type(error).__name__}, "
+            f"the request was not run: {error}"
+            if isinstance(error, ChunkCannotRun)
+            else f"the request's chunk of the batch failed {attempts} times, the last with {type(error).__name__}, "
             "so the request was not answered; the same request in a new batch may succeed"
         )
         input_lines = self.kinds[batch.endpoint].input_lines(batch)
-        records = [input_lines.unrun_record(line, "chunk_failed", message) for _, line in self._chunk_lines(batch, chunk)]
+        records = [
+            input_lines.unrun_record(request_id, "chunk_failed", message)
+            for request_id in self._request_ids(batch, chunk)
+        ]
         ledger.fail_chunk(self.store, self.sessions, batch.id, chunk.index, records)
 
     def _chunk_lines(self, batch: Batch, chunk: Chunk) -> Iterator[tuple[LineNumber, bytes]]:
-        """The chunk's lines that validate accepted, with their numbers."""
-        data = self.store.read_range(file_key(batch.project_id, batch.input_file_id), chunk.byte_start, chunk.byte_end)
+        """The chunk's lines that validate accepted, with their numbers; ChunkCannotRun if the input is gone."""
+        try:
+            data = self.store.read_range(
+                file_key(batch.project_id, batch.input_file_id), chunk.byte_start, chunk.byte_end
+            )
+        except ObjectNotFound:
+            raise ChunkCannotRun(f"the batch's input file {batch.input_file_id} no longer exists") from None
+        except ObjectRefused as refused:
+            raise ChunkCannotRun(f"the batch's input file {batch.input_file_id} cannot be read: {refused}") from None
         return accepted_lines(data, chunk.first_line, chunk.byte_start, chunk.rejected_lines)
+
+    def _request_ids(self, batch: Batch, chunk: Chunk) -> list[RequestId]:
+        """The ids of the chunk's accepted lines, as validate recorded them."""
+        if chunk.request_ids is not None:
+            return chunk.request_ids
+        # A chunk recorded before its ids were (migration 0007): its lines checked again, as validate did.
+        input_lines = self.kinds[batch.endpoint].input_lines(batch)
+        checked = (input_lines.check(number, line) for number, line in self._chunk_lines(batch, chunk))
+        return [request_id for request_id in checked if isinstance(request_id, str)]
 
     def _skip_unstarted_chunks(self, batch_id: str) -> None:
         ledger.skip_unstarted_chunks(self.sessions, batch_id, functools.partial(self.leases.held, batch_id))
@@ -280,7 +317,7 @@ class Pipeline:
             [index for index, status in finished if status == ChunkStatus.failed],
             list(never_started),
             stop_reason,
-            self._chunk_lines,
+            self._request_ids,
         )
         deliveries = ledger.settle_batch(
             self.sessions,

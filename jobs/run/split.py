@@ -8,6 +8,10 @@ business (`InputLines`); splitting only counts.
 Lines are read in bounded pieces: a line longer than `max_line_bytes` (Settings.max_line_bytes) is refused without
 being held, parsed or tokenised whole (`InputLines.too_long` writes its error), and no chunk's byte range covers
 it, so running a chunk never reads it either. Memory stays at about one line limit plus one read block.
+
+A chunk also keeps the ids of its accepted lines (`custom_id`, a document's `id`): what its requests' error records
+need when the chunk cannot run or expires unrun, so that those records never depend on reading the input again
+(it may be what failed).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 LineNumber = int  # 1-based, as a text editor counts
+RequestId = str  # an accepted line's id: an OpenAI line's custom_id, a RAG document's id
 
 
 @dataclass(frozen=True)
@@ -34,15 +39,15 @@ class InputLines(Protocol):
     @property
     def per_chunk(self) -> int: ...  # accepted lines per chunk
 
-    def check(self, line_number: LineNumber, line: bytes) -> RejectedLine | None: ...
+    def check(self, line_number: LineNumber, line: bytes) -> RequestId | RejectedLine: ...  # accepted: its id
 
     def refusal(self, tally: ValidationTally) -> tuple[str, str] | None:
         """(code, message) failing the whole batch once every line was checked (over a limit); None: it runs."""
         ...
 
-    def expired_record(self, line: bytes) -> bytes: ...  # the error record of an accepted line that never ran
+    def expired_record(self, request_id: RequestId) -> bytes: ...  # the error record of an accepted line that never ran
 
-    def unrun_record(self, line: bytes, code: str, message: str) -> bytes: ...  # an accepted line that cannot run
+    def unrun_record(self, request_id: RequestId, code: str, message: str) -> bytes: ...  # an accepted line that cannot run
 
     def too_long(self, line_number: LineNumber, limit: int) -> RejectedLine: ...  # a line over `limit` bytes, never read whole
 
@@ -56,6 +61,7 @@ class ChunkDraft:
     byte_end: int = 0  # exclusive
     num_requests: int = 0  # accepted lines
     rejected_lines: list[LineNumber] = field(default_factory=list)
+    request_ids: list[RequestId] = field(default_factory=list)  # of the accepted lines, in order
 
 
 @dataclass
@@ -127,8 +133,9 @@ def split_into_chunks(
         if not line.strip():  # blank lines carry no request
             continue
         tally.lines += 1
-        rejected = lines.check(line_number, line)
-        if rejected is not None:
+        checked = lines.check(line_number, line)
+        if isinstance(checked, RejectedLine):
+            rejected = checked
             tally.invalid += 1
             tally.not_json += rejected.not_json
             tally.first_problem = tally.first_problem or rejected.message
@@ -137,6 +144,7 @@ def split_into_chunks(
             continue
         tally.valid += 1
         draft.num_requests += 1
+        draft.request_ids.append(checked)
         if draft.num_requests == lines.per_chunk:
             chunks.append(draft)
             draft = None

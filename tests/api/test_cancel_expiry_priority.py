@@ -16,10 +16,10 @@ import pytest
 from redis import Redis
 from sqlalchemy import create_engine, text
 
-from conveyor.local_stack import ManagedProcess, free_port, scratch_redis_prefix, start_api, start_beat
+from conveyor.local_stack import ManagedProcess, free_port, scratch_redis_prefix, start_api
 from jobs.settings import Settings, replace
 from tests.api.test_batch_service import COMPLETIONS, client_for, completion_line, jsonl, read_jsonl, wait_for
-from tests.stack_fixtures import REDIS_URL, Stack, running_stack
+from tests.stack_fixtures import REDIS_URL, Stack, running_stack_with_beat
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +32,8 @@ def busy_stack(service_settings: Settings, tmp_path_factory: pytest.TempPathFact
     folder = tmp_path_factory.mktemp("cancel-expiry-priority")
     with scratch_redis_prefix(REDIS_URL) as prefix:
         settings = replace(service_settings, redis_prefix=prefix, api_port=free_port(), beat_interval_seconds=1.0)
-        with running_stack(settings, folder) as stack:
-            beat = start_beat(settings, folder / "beat.log")
-            try:
-                yield stack
-            finally:
-                beat.stop()
+        with running_stack_with_beat(settings, folder) as stack:
+            yield stack
 
 
 def counting_requests(prefix: str, count: int, max_tokens: int, short_first: int = 0) -> tuple[bytes, set[str]]:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from redis import Redis
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from conveyor.local_stack import free_port
 from jobs import db
@@ -22,7 +22,13 @@ from jobs.recovery import resend_lost_work
 from jobs.settings import Settings, replace
 from tests.stack_fixtures import Stack, running_stack
 
-LINE = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}}
+# Short: the batches made of it run on the session's shared worker, when one is up (`api_only_stack` shares its queues).
+LINE = {
+    "custom_id": "a",
+    "method": "POST",
+    "url": "/v1/chat/completions",
+    "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +137,8 @@ def test_a_retried_batch_creation_returns_the_first_batch(http: httpx.Client) ->
     other = http.post("/v1/batches", json=body, headers={"Idempotency-Key": f"other-{uuid.uuid4()}"})
     assert other.status_code == 200 and other.json()["id"] != first.json()["id"]
     assert_openai_error(http.post("/v1/batches", json=body, headers={"Idempotency-Key": "k" * 300}), 400)
+    for made in (first, other):  # nothing left running on a shared worker (409: it has already ended)
+        assert http.post(f"/v1/batches/{made.json()['id']}/cancel").status_code in (200, 409)
 
 
 def test_a_retried_upload_returns_the_first_file(http: httpx.Client) -> None:
@@ -196,4 +204,6 @@ def test_a_batch_created_while_redis_is_down_answers_503_and_starts_once_it_is_b
         resend_lost_work(sessions, enqueue_validate, lambda _: None)
         assert batch_id not in sent  # sent once
     finally:
+        with sessions.begin() as session:  # its validate went to a queue nobody reads: no sweep may find it later
+            session.execute(delete(Batch).where(Batch.id == batch_id))
         engine.dispose()

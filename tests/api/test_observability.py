@@ -92,7 +92,20 @@ def observed(service_settings: Settings, tmp_path_factory: pytest.TempPathFactor
             stack.start_worker()
             assert wait_for(client, batch.id, timeout_s=150).status == "completed"
             worker_url = f"http://{settings.worker_metrics_host}:{settings.worker_metrics_port}/metrics"
-            yield Observed(stack, batch.id, while_queued, scrape(api_url(stack, "/metrics")), scrape(worker_url))
+            yield Observed(stack, batch.id, while_queued, scrape(api_url(stack, "/metrics")), chunk_counted(worker_url))
+
+
+def chunk_counted(worker_url: str, timeout_s: float = 60.0) -> list[Sample]:
+    """The worker's metrics once its run_chunk task has ended. The batch completes before that: the task's last
+    step enqueues finalize, which another thread may finish before Celery reports the task done (a loaded machine
+    widens the gap)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(worker_url)
+        counted = [s for s in samples if s.name == "conveyor_chunk_duration_seconds_count" and s.value >= 1]
+        if counted or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.5)
 
 
 def test_api_metrics_count_batches_by_status_and_queued_tasks(observed: Observed) -> None:

@@ -154,7 +154,7 @@ def wait_through_outages(client: openai.OpenAI, batch_id: str, timeout_s: float 
 
 def run_batch_across(stack: Stack, name: str, restart: Callable[[float], None], outage_s: float = 3.0) -> None:
     client = client_for(stack, stack.new_key(name))
-    data, good_ids = completion_file(name, 96)
+    data, good_ids = completion_file(name, 48)  # three chunks: the outage comes after the first, before the last
     upload = client.files.create(file=(f"{name}.jsonl", data), purpose="batch")
     batch = client.batches.create(input_file_id=upload.id, endpoint=COMPLETIONS, completion_window="24h")
     deadline = time.monotonic() + 180

@@ -147,3 +147,21 @@ def test_window_releases_blocks_behind_it_through_fork_swap_and_the_prefix_cache
     manager.free(0), manager.free(1), manager.free(2)
     manager.check_invariants()
     assert manager.num_free_blocks == 16 and manager.num_free_host_blocks == 8
+
+
+def test_on_a_lazily_committed_pool_cached_blocks_are_reused_before_fresh_ones():
+    """A CPU pool's fresh blocks add memory when first written: sequence after sequence of distinct prompts keeps
+    within twice the blocks one sequence holds (3), while a GPU pool's cache keeps every block it
+    can."""
+    for reuse, blocks_touched in ((True, 4), (False, 16)):
+        manager = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True, reuse_cached_before_fresh=reuse)
+        touched: set[int] = set()
+        for seq_id in range(8):  # one sequence at a time, each with a prompt of its own: two full blocks and a part
+            seq = make_seq(seq_id, [seq_id * 10 + token for token in range(5)])
+            admit(manager, seq)
+            touched.update(manager.block_table(seq_id))
+            manager.free(seq_id)
+            manager.check_invariants()
+        assert len(touched) == blocks_touched, (reuse, sorted(touched))
+        # The prompt that ran last is still cached either way: least recently used blocks go first.
+        assert admit(manager, make_seq(99, [70, 71, 72, 73, 0])) == 4

@@ -208,6 +208,7 @@ def _prefix_value(seq: Sequence, position: int) -> int:
     max_num_seqs=st.integers(min_value=1, max_value=8),
     mode=st.sampled_from(["swap", "recompute"]),
     prefix_caching=st.booleans(),
+    reuse_cached_before_fresh=st.booleans(),  # a CPU pool's allocation order
     policy=st.sampled_from(["continuous", "static"]),
     prefix_ordering=st.booleans(),
     lookahead_steps=st.sampled_from([0, 0, 2, 8]),
@@ -223,8 +224,8 @@ def _prefix_value(seq: Sequence, position: int) -> int:
     ),
 )
 def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
-    num_blocks, num_host_blocks, block_size, budget, max_num_seqs, mode, prefix_caching, policy, prefix_ordering,
-    lookahead_steps, victim, events,
+    num_blocks, num_host_blocks, block_size, budget, max_num_seqs, mode, prefix_caching, reuse_cached_before_fresh,
+    policy, prefix_ordering, lookahead_steps, victim, events,
 ):
     import torch
 
@@ -237,6 +238,7 @@ def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
         lookahead_admission_steps=lookahead_steps, preemption_victim=victim,
     )
     manager = scheduler.block_manager
+    manager.reuse_cached_before_fresh = reuse_cached_before_fresh
     # One int64 per slot stands in for a token's K (and V); the runner moves blocks as it would KV.
     def pool(blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(torch.full((blocks, block_size, 1, 1), -1, dtype=torch.int64),) * 2] if blocks else []

@@ -178,3 +178,41 @@ def test_a_chunk_running_elsewhere_is_not_failed_by_a_give_up(validated: Validat
         assert chunk is not None and chunk.status == ChunkStatus.pending
         assert session.get(Batch, batch_id).failed_requests == 0  # type: ignore[union-attr]
     assert validated.finalizes == []
+
+
+def test_a_chunk_whose_input_vanished_fails_at_once_from_what_validate_recorded(
+    validated: ValidatedBatch, sessions: SessionFactory, object_store: ObjectStore
+) -> None:
+    """No retry can bring the input back: the first attempt gives up, and the error records need nothing of it."""
+    pipeline, batch_id = validated.pipeline, validated.batch_id
+    with sessions() as session:
+        batch = session.get(Batch, batch_id)
+        assert batch is not None
+        input_key, input_file_id = file_key(batch.project_id, batch.input_file_id), batch.input_file_id
+    object_store.delete(input_key)
+    reads: list[str] = []
+    read_range = object_store.read_range
+
+    def counted_read_range(key: str, start: int, end: int) -> bytes:
+        reads.append(key)
+        return read_range(key, start, end)
+
+    pipeline.store.read_range = counted_read_range  # type: ignore[method-assign]  # the real store, its reads counted
+    app = create_celery_app(pipeline.settings)
+    register_tasks(app, pipeline)
+    for index in validated.run_chunks:
+        app.tasks[TaskName.run_chunk].apply(args=(batch_id, index))
+    assert reads == [input_key, input_key]  # one attempt per chunk, and the give-up read nothing
+    assert validated.finalizes == [batch_id]
+    pipeline.finalize(batch_id)
+
+    with sessions() as session:
+        batch = session.get(Batch, batch_id)
+        assert batch is not None and batch.status == BatchStatus.completed
+        assert (batch.completed_requests, batch.failed_requests) == (0, 3)
+        error_file = session.get(File, batch.error_file_id)
+        assert error_file is not None
+        records = [json.loads(row) for row in object_store.read_bytes(error_file.object_key).splitlines()]
+    assert sorted(record["custom_id"] for record in records) == CUSTOM_IDS
+    for record in records:
+        assert record["error"]["code"] == "chunk_failed" and input_file_id in record["error"]["message"]

@@ -8,11 +8,12 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import update
 
 from jobs import files
 from jobs.db import SessionFactory, make_engine, make_session_factory
 from jobs.errors import ServiceError
-from jobs.models import File, FilePurpose, Project, utcnow
+from jobs.models import Batch, BatchStatus, File, FilePurpose, Project, utcnow
 from jobs.object_keys import file_key
 from jobs.storage import ObjectStore
 
@@ -64,3 +65,34 @@ def test_an_expired_file_is_gone_for_readers_and_the_sweep_deletes_row_and_bytes
         assert session.get(File, rows["expired"][0]) is None
         assert session.get(File, rows["live"][0]) is not None
     assert not object_store.exists(rows["expired"][1]) and object_store.exists(rows["live"][1])
+
+
+def test_the_input_of_a_running_batch_is_kept_past_its_expiry_and_cannot_be_deleted(
+    sessions: SessionFactory, object_store: ObjectStore
+) -> None:
+    with sessions.begin() as session:
+        project = Project(name=f"in-use-{secrets.token_hex(4)}")
+        session.add(project)
+        session.flush()
+        project_id, file_id = project.id, f"file-{secrets.token_hex(8)}"
+        key = file_key(project_id, file_id)
+        object_store.put_bytes(key, b"{}\n")
+        files.record_file(session, file_id=file_id, project_id=project_id, filename="in.jsonl",
+                          purpose=FilePurpose.batch, size=3, object_key=key, expires_at=utcnow() + timedelta(hours=1))
+        batch = Batch(project_id=project_id, input_file_id=file_id, endpoint="/v1/chat/completions",
+                      completion_window="24h", expires_at=utcnow() + timedelta(hours=24), status=BatchStatus.in_progress)
+        session.add(batch)
+        session.flush()
+        batch_id = batch.id
+    with sessions() as session:
+        with pytest.raises(ServiceError) as in_use:
+            files.delete_file(session, object_store, project_id, file_id)
+    assert in_use.value.kind == "conflict" and in_use.value.code == "file_in_use" and batch_id in in_use.value.message
+    with sessions.begin() as session:  # it expires while the batch still reads it
+        session.execute(update(File).where(File.id == file_id).values(expires_at=utcnow() - timedelta(seconds=1)))
+    files.delete_expired_files(sessions, object_store)
+    assert object_store.exists(key)
+    with sessions.begin() as session:  # the batch ends: the sweep may take the file now
+        session.execute(update(Batch).where(Batch.id == batch_id).values(status=BatchStatus.completed))
+    files.delete_expired_files(sessions, object_store)
+    assert not object_store.exists(key)

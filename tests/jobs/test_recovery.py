@@ -15,7 +15,10 @@ from jobs.celery_app import TaskName, create_celery_app
 from conveyor.local_stack import scratch_database
 from jobs.db import SessionFactory, make_engine, make_session_factory, upgrade
 from jobs.models import Batch, BatchStatus, Chunk, ChunkStatus, Project, WebhookEndpoint, WebhookEvent, utcnow
-from jobs.recovery import fail_stalled_finalizes, resend_lost_work
+from jobs.broker_messages import chunk_messages
+from jobs.enqueue import chunk_queue
+from jobs.recovery import fail_stalled_finalizes, resend_lost_chunks, resend_lost_work
+from jobs.run.lease import ChunkLeases
 from jobs.run.pipeline import Pipeline
 from jobs.settings import S3Settings, Settings
 from jobs.storage import ObjectStore
@@ -148,3 +151,54 @@ def test_a_stalled_finalize_is_sent_again_at_a_doubling_pace(sessions: SessionFa
         resend_lost_work(sessions, lambda *_: None, resent.append, since + timedelta(seconds=second))
         sent += [second] * resent.count(batch_id)
     assert sent == [60, 120, 240, 480, 960, 1920]
+
+
+def test_a_pending_chunk_with_no_lease_and_no_message_is_sent_again(sessions: SessionFactory) -> None:
+    """Against a real Redis: the broker's queue as Celery writes it, the leases as workers take them."""
+    settings = Settings(database_url="postgresql+psycopg://unused", redis_prefix=f"test-lost-chunks-{secrets.token_hex(4)}:")
+    redis = Redis.from_url(settings.redis_url)
+    leases = ChunkLeases(redis, settings.redis_prefix, lease_seconds=60)
+    app = create_celery_app(settings)
+    now = utcnow()
+    with sessions.begin() as session:
+        project = Project(name=f"lost-chunks-{secrets.token_hex(4)}")
+        session.add(project)
+        session.flush()
+        started, fresh = (
+            Batch(
+                project_id=project.id, input_file_id="file-x", endpoint="/v1/chat/completions", completion_window="24h",
+                expires_at=now + timedelta(hours=24), status=BatchStatus.in_progress, in_progress_at=since,
+            )
+            for since in (now - timedelta(minutes=5), now)
+        )
+        session.add_all([started, fresh])
+        session.flush()
+        session.add_all(
+            Chunk(batch_id=batch.id, index=i, byte_start=0, byte_end=1, first_line=1, num_requests=1,
+                  status=ChunkStatus.done if i == 3 else ChunkStatus.pending)
+            for batch in (started, fresh) for i in range(4)
+        )
+        started_id, fresh_id = started.id, fresh.id
+    sent: list[tuple[str, int]] = []
+
+    def resend() -> int:
+        return resend_lost_chunks(
+            sessions,
+            leases,
+            lambda models: chunk_messages(redis, settings.redis_prefix, {chunk_queue(model) for model in models}),
+            lambda batch_id, index, *_: sent.append((batch_id, index)),
+            now,
+        )
+
+    try:
+        with app.connection_for_write() as connection:  # chunk 1's task waits in its queue
+            app.send_task(TaskName.run_chunk, (started_id, 1), queue=chunk_queue(None), priority=5, connection=connection)
+        with leases.hold(started_id, 0):  # chunk 0 runs; chunk 2 has neither; chunk 3 is done
+            assert resend() == 1
+        # Only the started batch's lost chunk: the fresh batch's tasks may still be on their way from validate.
+        assert sent == [(started_id, 2)]
+    finally:
+        for key in redis.scan_iter(f"{settings.redis_prefix}*"):
+            redis.delete(key)
+        redis.close()
+    assert fresh_id not in {batch_id for batch_id, _ in sent}

@@ -9,7 +9,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from redis import Redis
@@ -27,6 +27,7 @@ from jobs.rag.kind import RagKind
 from jobs.run.embeddings import EmbeddingsKind
 from jobs.run.generation import STOP_POLL_SECONDS, GenerationKind
 from jobs.run.kinds import ChunkResult, EngineHandle, FinishedChunks
+from jobs.run.split import RejectedLine
 from jobs.served_models import ModelNames, process_models
 from jobs.settings import S3Settings, Settings
 from jobs.stop_flags import StopFlags, StopReason
@@ -92,13 +93,13 @@ def test_generation_answers_every_line(engine: EngineHandle, stop_flags: StopFla
 def test_generation_checks_lines_for_validate(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
     lines = GenerationKind(engine, object_store, stop_flags, per_chunk=10, limits=LIMITS).input_lines(batch("/v1/completions"))
     assert lines.per_chunk == 10
-    assert lines.check(1, line("a", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "hi"})) is None
+    assert lines.check(1, line("a", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "hi"})) == "a"
     rejected = lines.check(2, line("a", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "hi"}))
-    assert rejected is not None and rejected.message.startswith("line 2: ") and not rejected.not_json
+    assert isinstance(rejected, RejectedLine) and rejected.message.startswith("line 2: ") and not rejected.not_json
     assert json.loads(rejected.record)["error"]["code"] == "duplicate_custom_id"
     not_json = lines.check(3, b"not json")
-    assert not_json is not None and not_json.not_json
-    expired = json.loads(lines.expired_record(line("z", "/v1/completions", {"prompt": "hi"})))
+    assert isinstance(not_json, RejectedLine) and not_json.not_json
+    expired = json.loads(lines.expired_record("z"))
     assert expired["custom_id"] == "z" and expired["error"]["code"] == "batch_expired"
 
 
@@ -200,9 +201,13 @@ def test_rag_lines_are_documents_of_the_projects_inbox(engine: EngineHandle, sto
     kind = RagKind(settings=settings, store=object_store, stop_flags=stop_flags, engine=engine, embedder=embedder)
     lines = kind.input_lines(batch("/v1/rag/jobs", project_id="proj_a"))
     assert lines.per_chunk == 4
-    assert lines.check(1, b'{"id": "d1", "text": "hello"}') is None
-    assert lines.check(2, b'{"id": "d2", "uri": "s3://docs/inbox/proj_a/notes.md"}') is None
+    assert lines.check(1, b'{"id": "d1", "text": "hello"}') == "d1"
+    assert lines.check(2, b'{"id": "d2", "uri": "s3://docs/inbox/proj_a/notes.md"}') == "d2"
     repeated = lines.check(3, b'{"id": "d1", "text": "again"}')
-    assert repeated is not None and json.loads(repeated.record)["error"]["code"] == "duplicate_document_id"
+    assert isinstance(repeated, RejectedLine) and json.loads(repeated.record)["error"]["code"] == "duplicate_document_id"
     outside = lines.check(4, b'{"id": "d3", "uri": "s3://docs/inbox/proj_b/notes.md"}')
-    assert outside is not None and json.loads(outside.record)["error"]["code"] == "uri_outside_inbox"
+    assert isinstance(outside, RejectedLine) and json.loads(outside.record)["error"]["code"] == "uri_outside_inbox"
+    # A line refused whole still names its document, when it gave an id.
+    for number, refused in enumerate([b'{"id": "d4", "uri": "http://example.com/a"}', b'{"id": "d5", "uri": "file:///etc/passwd"}'], 5):
+        record = json.loads(cast(RejectedLine, lines.check(number, refused)).record)
+        assert (record["doc_id"], record["error"]["code"]) == (f"d{number - 1}", "invalid_document")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from redis import Redis
 
-from jobs.run.lease import ChunkBusy, ChunkLeases
+from jobs.run.lease import ChunkBusy, ChunkLeases, LeaseLost
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -67,3 +67,17 @@ def test_a_failing_chunk_still_releases_its_lease(leases: ChunkLeases) -> None:
         with leases.hold("batch_d", 0):
             raise RuntimeError("the chunk failed")
     assert leases.held("batch_d", [0]) == [False]
+
+
+def test_a_holder_stalled_past_its_lease_loses_it_to_a_taker_and_keeps_it_otherwise(
+    leases: ChunkLeases, redis: Redis
+) -> None:
+    with leases.hold("batch_e", 0) as stalled:
+        redis.delete(leases.key("batch_e", 0))  # its lease lapsed while it was stopped (no renewal could run)
+        stalled.renew()  # nobody took the chunk: it is simply held again
+        assert leases.held("batch_e", [0]) == [True]
+        redis.delete(leases.key("batch_e", 0))
+        assert redis.lock(leases.key("batch_e", 0), timeout=60, blocking=False).acquire()  # another worker took it
+        with pytest.raises(LeaseLost):
+            stalled.renew()  # what the pipeline checks before writing: the results are the taker's to write
+    assert leases.held("batch_e", [0]) == [True]  # leaving the block does not release the taker's lease

@@ -38,15 +38,15 @@ class EveryOtherLine:
     def __init__(self, per_chunk: int) -> None:
         self.per_chunk = per_chunk
 
-    def check(self, line_number: int, line: bytes) -> RejectedLine | None:
+    def check(self, line_number: int, line: bytes) -> str | RejectedLine:
         if b"bad" not in line:
-            return None
+            return line.decode()  # the line is its own id
         return RejectedLine(f"line {line_number}: bad", f"{line_number}\n".encode(), not_json=line == b"bad")
 
-    def expired_record(self, line: bytes) -> bytes:
+    def expired_record(self, request_id: str) -> bytes:
         return b"expired\n"
 
-    def unrun_record(self, line: bytes, code: str, message: str) -> bytes:
+    def unrun_record(self, request_id: str, code: str, message: str) -> bytes:
         return f"{code}\n".encode()
 
     def too_long(self, line_number: int, limit: int) -> RejectedLine:
