@@ -128,7 +128,7 @@ def test_a_stop_does_not_wait_for_the_engine_step_in_progress(
         return real_step()
 
     monkeypatch.setattr(engine.loop.engine, "step", long_step)
-    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10)
+    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=10, limits=LIMITS)
     job = batch("/v1/completions")
     body = {"model": DEFAULT_MODEL, "prompt": "Write a long story about a lighthouse.", "max_tokens": 400, "ignore_eos": True}
     results: list[ChunkResult] = []
