@@ -75,6 +75,19 @@ class BeamSearchState:
         return max(2, 1 + len(self.eos_token_ids)) * self.beam_width
 
 
+@dataclass
+class BeamSearch:
+    """A request's beam search in the engine: the hypotheses, the next-token log-probs of the live beams computed
+    so far this step (a step advances the beams once every live beam has its row), and whether it is done."""
+
+    state: BeamSearchState
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> its next-token log-probs
+    done: bool = False  # then `best(n)` is the answer
+
+    def best(self, n: int) -> list[FinishedBeam]:
+        return best_hypotheses(self.state, n)
+
+
 def beam_search_step(
     state: BeamSearchState,
     live_beams: Sequence[Beam],

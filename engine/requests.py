@@ -1,0 +1,407 @@
+"""The live requests, and the one owner of a request's state after a step.
+
+    batch = requests.sampling_batch(out)               # the scheduled sequences that sample, as sampler rows
+    step = runner.execute(out, batch.rows, ...)
+    outputs = requests.update(out, batch, step)         # everything the step changed, in one place
+
+`update` is the only writer of a sequence's output tokens. Per sampled row it appends the token, forks the
+siblings of a prompt reaching its first token (`n` / `best_of`: they share its blocks), keeps log-probs,
+feeds the grammar matcher (and jumps ahead where the grammar forces text), checks the stop conditions, and
+once all of a request's beams have their log-probs advances the beams; finished sequences go back to the
+scheduler (`Scheduler.finish` frees their blocks) and what the caller sees comes back as plain
+`RequestOutput`s. The scheduler only schedules, counts computed tokens and frees.
+
+Each feature keeps its state in a small type of its own on the request: `Sample` (one sequence's output:
+detokenizer, log-probs, grammar matcher, finish), `BeamSearch` (engine/beam_search.py),
+`PromptLogprobsRecord` (engine/prompt_logprobs.py) and the compiled grammar's future (structured output).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
+
+import torch
+
+from engine.beam_search import Beam, BeamSearch, BeamSearchState, NextBeam, beam_search_step
+from engine.metrics import StepCounters
+from engine.model_runner import StepResult
+from engine.outputs import RequestOutput
+from engine.prompt_logprobs import PromptLogprobsRecord
+from engine.samples import Sample, TopLogprobs, beam_completions
+from engine.sampler import SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+from engine.tokenizer import Tokenizer
+
+# xgrammar's (GrammarCompilerPool.matcher): a compiled grammar and the request's stop ids -> a fresh GrammarMatcher
+MatcherFactory = Callable[[Any, list[int]], Any]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    priority: int
+    arrival_order: int
+    base_seed: int  # sample i draws with base_seed + i
+    samples: list[Sample] = field(default_factory=list)  # with beam search: the live beams, best first
+    beams: BeamSearch | None = None
+    grammar: Future[Any] | None = None  # structured output: its compiled grammar, maybe still compiling
+    prompt_logprobs: PromptLogprobsRecord | None = None
+    error: str | None = None  # why the request could not run (its constraint did not compile)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        if self.beams is not None:
+            return self.beams.done
+        return all(s.finish_reason is not None for s in self.samples)
+
+    @property
+    def fanout(self) -> int:
+        """Rows sampled from its sequence's logits this step: a prompt reaching its first token samples once per
+        sample of the request (the others fork from it); 1 otherwise. Beams choose from log-probs instead: 1."""
+        return 1 if self.beams is not None else self.params.num_sequences - len(self.samples) + 1
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The step's scheduled sequences that sample, in schedule order, and the sampler's rows for them."""
+
+    samples: list[Sample]
+    requests: list[Request]  # each sample's
+    fanout: list[int]  # rows per sample: consecutive, from its one row of logits
+    rows: list[SamplingRow]
+
+    @property
+    def matchers(self) -> list[Any]:
+        """Per row, its grammar matcher (None when unconstrained)."""
+        return [sample.matcher for sample, count in zip(self.samples, self.fanout) for _ in range(count)]
+
+
+class Requests:
+    """The requests in flight, by id, with their sequences. Single-threaded, like the engine that holds it."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer | None,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        jump_forward: bool,
+        counters: StepCounters,
+    ) -> None:
+        self._scheduler = scheduler
+        self._tokenizer = tokenizer
+        self._eos_token_ids = eos_token_ids
+        self._max_model_len = max_model_len
+        self._jump_forward = jump_forward
+        self._counters = counters
+        self._requests: dict[str, Request] = {}
+        self._samples: dict[int, Sample] = {}  # seq id -> its sample, for the sequences not finished
+        self._awaiting_grammar: dict[str, Request] = {}  # kept out of the scheduler until compiled
+        self._next_seq_id = 0
+        self._arrivals = 0
+        self.jump_forward_tokens = 0  # structured-output tokens appended without a forward pass each
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __bool__(self) -> bool:
+        return bool(self._requests)
+
+    def add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: bool, priority: int,
+        base_seed: int, grammar: Future[Any] | None,
+    ) -> None:
+        """Queue a request (`params` admitted): one sequence computes the prompt; the other samples fork from it
+        when its first token is sampled, sharing the prompt's blocks. A constrained one (`grammar`) waits
+        out of the scheduler until its grammar is compiled (`admit_compiled`)."""
+        request = Request(
+            request_id, list(prompt_token_ids), params, stream, priority, self._arrivals, base_seed, grammar=grammar,
+            prompt_logprobs=PromptLogprobsRecord() if params.prompt_logprobs is not None else None,
+        )
+        self._arrivals += 1
+        if params.use_beam_search:
+            eos = (() if params.ignore_eos else self._eos_token_ids) + tuple(params.stop_token_ids)
+            request.beams = BeamSearch(BeamSearchState(params.beam_width, params.length_penalty, eos))
+        first = self._new_sample(request, [])
+        self._requests[request_id] = request
+        if grammar is not None:
+            self._awaiting_grammar[request_id] = request
+        else:
+            self._scheduler.add(first.seq)
+
+    def admit_compiled(self, make_matcher: MatcherFactory) -> list[RequestOutput]:
+        """Hand requests whose grammar is ready to the scheduler, each sample with a fresh matcher. Returns the
+        final outputs of those whose constraint failed to compile."""
+        failed = []
+        for request_id, request in list(self._awaiting_grammar.items()):
+            assert request.grammar is not None
+            if not request.grammar.done():
+                continue
+            sample = request.samples[0]
+            error = request.grammar.exception()
+            if error is not None:
+                request.error = str(error)
+                sample.finish_reason = "abort"
+                self._release(sample.seq)  # while still awaiting: it never reached the scheduler
+                del self._awaiting_grammar[request_id]
+                failed.append(self._finalize(request))
+                continue
+            del self._awaiting_grammar[request_id]
+            sample.matcher = make_matcher(request.grammar.result(), request.params.stop_token_ids)
+            self._scheduler.add(sample.seq)
+        return failed
+
+    def compiling(self) -> list[Future[Any]]:
+        """The grammars that requests out of the scheduler wait for."""
+        return [request.grammar for request in self._awaiting_grammar.values() if request.grammar is not None]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks are freed. Returns its final output, or None if unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        for sample in request.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+                self._release(sample.seq)
+        self._awaiting_grammar.pop(request_id, None)
+        return self._finalize(request)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def prompt_tokens(self, out: SchedulerOutput) -> int:
+        """Prompt positions the step computes (a recomputed prompt counts again)."""
+        samples = self._samples
+        return sum(
+            max(0, min(item.start_position + item.num_new_tokens, len(samples[item.seq_id].seq.prompt_token_ids)) - item.start_position)
+            for item in out.scheduled
+        )
+
+    def sampling_batch(self, out: SchedulerOutput) -> SamplingBatch:
+        samples = [self._samples[item.seq_id] for item in out.scheduled if item.needs_sample]
+        requests = [self._requests[sample.seq.request_id] for sample in samples]
+        fanout = [request.fanout for request in requests]
+        rows = [
+            SamplingRow(
+                params=sample.seq.params,
+                seed=sample.seq.seed + k,
+                prompt_token_ids=sample.seq.prompt_token_ids,
+                output_token_ids=sample.seq.output_token_ids,
+                eos_token_ids=self._eos_token_ids,
+            )
+            for sample, count in zip(samples, fanout)
+            for k in range(count)
+        ]
+        return SamplingBatch(samples, requests, fanout, rows)
+
+    def update(self, out: SchedulerOutput, batch: SamplingBatch, step: StepResult) -> list[RequestOutput]:
+        """Apply a step's results. Returns the outputs of the requests that finished, and snapshots of the
+        streaming ones that advanced."""
+        self._scheduler.computed(out, [self._samples[item.seq_id].seq for item in out.scheduled])
+        for seq_id, scored in step.prompt_logprobs.items():
+            request = self._requests[self._samples[seq_id].seq.request_id]
+            assert request.prompt_logprobs is not None
+            request.prompt_logprobs.record(request.prompt_token_ids, scored)
+        result = step.sampled
+        if result is None:
+            return []
+        now = time.monotonic()
+        for request in batch.requests:
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self._counters.time_to_first_token.observe(now - request.arrival_time)
+        token_ids = result.token_ids.tolist()
+        token_logprobs = result.logprobs.tolist()
+        top = (result.top_logprobs[0].tolist(), result.top_logprobs[1].tolist()) if result.top_logprobs else None
+        beam_rows: Iterator[torch.Tensor] = iter(result.beam_logprobs if result.beam_logprobs is not None else ())
+
+        touched: dict[str, Request] = {}
+        first_rows = accumulate(batch.fanout[:-1], initial=0)
+        for sample, request, first_row, count in zip(batch.samples, batch.requests, first_rows, batch.fanout):
+            touched[request.request_id] = request
+            if request.beams is not None:  # its next token is chosen once all the request's beams have log-probs
+                request.beams.pending[sample.seq.seq_id] = next(beam_rows)
+                continue
+            seq = sample.seq
+            seq.output_token_ids.append(token_ids[first_row])
+            # Fork every sibling before any finish check can free the shared blocks.
+            siblings = [self._fork(seq, seq.output_token_ids[:-1] + [token_ids[first_row + k]]) for k in range(1, count)]
+            for row, each in enumerate([sample, *siblings], start=first_row):
+                self._accept(each, token_ids[row], token_logprobs[row], top, row)
+
+        outputs = []
+        for request in touched.values():
+            if request.beams is not None and len(request.beams.pending) == len(request.samples):
+                self._advance_beams(request)
+            if request.finished:
+                outputs.append(self._finalize(request))
+            elif request.stream:
+                outputs.append(self._snapshot(request))
+        return outputs
+
+    def blame(self, out: SchedulerOutput, cost: Callable[[int, SamplingParams], int]) -> str | None:
+        """The request a failed step is blamed on: the one holding the most tokens (`cost`), the newest among equals."""
+        ids = {self._samples[item.seq_id].seq.request_id for item in out.scheduled if item.seq_id in self._samples}
+        requests = [self._requests[request_id] for request_id in ids if request_id in self._requests]
+        if not requests:
+            return None
+        return max(
+            requests, key=lambda request: (cost(len(request.prompt_token_ids), request.params), request.arrival_order)
+        ).request_id
+
+    # ---- a sample's token -------------------------------------------------------------------
+
+    def _accept(self, sample: Sample, token: int, logprob: float, top: TopLogprobs | None, row: int) -> None:
+        """A sampled token, already in the sample's output: log-probs, grammar, stop checks, jump-ahead."""
+        sample.record_logprobs(token, logprob, top, row)
+        if sample.matcher is not None and not sample.matcher.accept_token(token):
+            # The bitmask allowed only what the matcher accepts: reaching here is a bug, and this
+            # sample's output can no longer be trusted to match its constraint.
+            sample.finish_reason, sample.stop_reason = "abort", f"grammar rejected token {token}"
+            self._release(sample.seq)
+            return
+        self._check_finish(sample, token)
+        if sample.finish_reason is None and sample.matcher is not None and self._jump_forward:
+            self._jump_ahead(sample)
+
+    def _check_finish(self, sample: Sample, token: int) -> None:
+        sample.check_stop(token, self._eos_token_ids, self._max_model_len)
+        if sample.finish_reason is not None:
+            self._release(sample.seq)
+
+    def _jump_ahead(self, sample: Sample) -> None:
+        """Append the one continuation the grammar allows, token by token through the matcher and the
+        finish checks, without sampling: the next step computes them all as one chunk. Samples that
+        return log-probs do not jump (a forced token has no sampled log-prob)."""
+        if sample.logprobs is not None:
+            return
+        text = sample.matcher.find_jump_forward_string()
+        if not text:
+            return
+        assert self._tokenizer is not None
+        for token in self._tokenizer.encode(text, add_special_tokens=False):
+            if not sample.matcher.accept_token(token):
+                return  # the text tokenized alone split differently from what the grammar takes: stop here
+            sample.seq.output_token_ids.append(token)
+            self.jump_forward_tokens += 1
+            self._check_finish(sample, token)
+            if sample.finish_reason is not None:
+                return
+
+    def _advance_beams(self, request: Request) -> None:
+        """Every live beam has its log-probs: pick the next beams by block-table edits (a parent
+        with several children forks, one with none is dropped), or finish the request."""
+        beams = request.beams
+        assert beams is not None
+        live = list(request.samples)  # forks append to request.samples
+        logprobs = torch.stack([beams.pending.pop(sample.seq.seq_id) for sample in live])
+        params, first = request.params, live[0].seq
+        is_last = (params.max_tokens is not None and len(first.output_token_ids) + 1 >= params.max_tokens) or (
+            first.num_tokens + 1 >= self._max_model_len
+        )
+        current = [Beam(tuple(sample.seq.output_token_ids), sample.cumulative_logprob) for sample in live]
+        next_beams, done = beam_search_step(beams.state, current, logprobs, is_last)
+        if done:
+            beams.done = True
+            for sample in live:
+                self._release(sample.seq)
+            return
+        children: dict[int, list[NextBeam]] = {}
+        for beam in next_beams:
+            children.setdefault(beam.parent, []).append(beam)
+        sample_of: dict[NextBeam, Sample] = {}
+        for parent, kids in children.items():  # forks copy the parent before it takes its own token
+            seq = live[parent].seq
+            for kid in kids[1:]:
+                sample_of[kid] = self._fork(seq, seq.output_token_ids + [kid.token_id])
+        for parent, kids in children.items():
+            live[parent].seq.output_token_ids.append(kids[0].token_id)
+            sample_of[kids[0]] = live[parent]
+        for index, sample in enumerate(live):
+            if index not in children:
+                self._release(sample.seq)
+        request.samples = [sample_of[beam] for beam in next_beams]
+        for beam, sample in zip(next_beams, request.samples):
+            sample.cumulative_logprob = beam.cum_logprob
+
+    # ---- sequences --------------------------------------------------------------------------
+
+    def _new_sample(self, request: Request, output_token_ids: list[int]) -> Sample:
+        params, index = request.params, len(request.samples)
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            request_id=request.request_id,
+            sample_index=index,
+            prompt_token_ids=request.prompt_token_ids,
+            params=params,
+            seed=request.base_seed + index,
+            priority=request.priority,
+            arrival_order=request.arrival_order,
+            output_token_ids=output_token_ids,
+        )
+        self._next_seq_id += 1
+        sample = Sample.of(seq, self._tokenizer, request.stream)
+        request.samples.append(sample)
+        self._samples[seq.seq_id] = sample
+        return sample
+
+    def _fork(self, parent: Sequence, output_token_ids: list[int]) -> Sample:
+        """A new sample of parent's request, sharing parent's blocks, with its own output tokens (parent's
+        computed ones plus a different next token) and a fork of parent's matcher, taken before the parent
+        accepts its own token."""
+        sample = self._new_sample(self._requests[parent.request_id], output_token_ids)
+        parent_matcher = self._samples[parent.seq_id].matcher
+        if parent_matcher is not None:
+            sample.matcher = parent_matcher.fork()
+        self._scheduler.fork(parent, sample.seq)
+        return sample
+
+    def _release(self, seq: Sequence) -> None:
+        """A finished sequence: its blocks are freed now."""
+        if seq.request_id in self._awaiting_grammar:
+            seq.status = SequenceStatus.FINISHED  # never reached the scheduler
+        else:
+            self._scheduler.finish(seq)
+        del self._samples[seq.seq_id]
+
+    # ---- what the caller sees ---------------------------------------------------------------
+
+    def _snapshot(self, request: Request) -> RequestOutput:
+        if request.beams is not None and request.beams.done:
+            completions = beam_completions(request.beams, request.params.n, self._tokenizer)
+        else:
+            completions = [sample.completion(self._tokenizer) for sample in request.samples]
+        if len(completions) > request.params.n:  # best_of: only ever at the end (no streaming)
+            completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[: request.params.n]
+            for index, completion in enumerate(completions):
+                completion.index = index
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            num_cached_tokens=max((sample.seq.num_cached_tokens or 0 for sample in request.samples), default=0),
+            error=request.error,
+            prompt_logprobs=list(request.prompt_logprobs.positions) if request.prompt_logprobs is not None else None,
+        )
+
+    def _finalize(self, request: Request) -> RequestOutput:
+        del self._requests[request.request_id]
+        output = self._snapshot(request)
+        generated = max((len(completion.token_ids) for completion in output.outputs), default=0)
+        if request.first_token_time is not None and generated > 1:
+            per_token = (time.monotonic() - request.first_token_time) / (generated - 1)
+            self._counters.time_per_output_token.observe(per_token)
+        return output
