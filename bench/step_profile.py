@@ -82,7 +82,7 @@ class StepProfile:
             layer.self_attn.backend = self._timed(layer.self_attn.backend, "attention")
         runner.sampler = self._timed(runner.sampler, "sampling")
         engine.scheduler.schedule = self._timed(engine.scheduler.schedule, "scheduling")
-        engine.scheduler.computed = self._timed(engine.scheduler.computed, "scheduling")
+        engine.scheduler.update = self._timed(engine.scheduler.update, "scheduling")
         engine.step = self._timed(engine.step, "step")
 
     def split(self) -> dict[str, float]:

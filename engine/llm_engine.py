@@ -1,6 +1,7 @@
 """LLMEngine: owns the model, KV cache, scheduler and requests; `step()` runs one iteration.
 
     out = scheduler.schedule()                        # which sequences compute how many tokens
+    batch = requests.batch(out)                       # the sampler's rows for those that sample
     step = runner.execute(out, batch.rows, ...)       # block moves, the forward pass, sampling
     outputs = requests.update(out, batch, step)       # tokens appended, forks, stops, beams, frees
 
@@ -27,7 +28,7 @@ from engine.metrics import EngineStats, StepCounters
 from engine.model_runner import ModelRunner, StepResult
 from engine.model_shard import ShardSpec, build_model_shard, rank_model_config, windowed_blocks_per_sequence
 from engine.outputs import RequestOutput
-from engine.requests import Requests, SamplingBatch
+from engine.requests import Requests, StepBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner
@@ -203,10 +204,9 @@ class LLMEngine:
                 wait(compiling, 0.05, FIRST_COMPLETED)
             self.counters.requests_finished += len(failed)
             return failed
-        prompt_tokens = self.requests.prompt_tokens(out)
         try:
             with on_device(self.device):  # the loop thread's current device is 0 whatever the engine's is
-                batch = self.requests.sampling_batch(out)
+                batch = self.requests.batch(out)
                 step = self._execute(out, batch)
                 outputs = failed + self.requests.update(out, batch, step)
         except EngineFailed:
@@ -216,10 +216,10 @@ class LLMEngine:
             if suspect is None:
                 raise
             raise StepFailed(suspect, error) from error
-        self._count_step(out, outputs, prompt_tokens, len(batch.rows), time.perf_counter() - started)
+        self._count_step(out, batch, outputs, time.perf_counter() - started)
         return outputs
 
-    def _execute(self, out: SchedulerOutput, batch: SamplingBatch) -> StepResult:
+    def _execute(self, out: SchedulerOutput, batch: StepBatch) -> StepResult:
         """The runner's step, with the grammar's bitmask filled while the model runs (the sampler waits for it)."""
         token_bitmask = None
         if self._grammars is not None and batch.rows:
@@ -230,16 +230,14 @@ class LLMEngine:
             if token_bitmask is not None:
                 wait([token_bitmask])  # a failed step too: the matchers change after this, the fill reads them
 
-    def _count_step(
-        self, out: SchedulerOutput, outputs: list[RequestOutput], prompt_tokens: int, sampled: int, seconds: float
-    ) -> None:
+    def _count_step(self, out: SchedulerOutput, batch: StepBatch, outputs: list[RequestOutput], seconds: float) -> None:
         counters = self.counters
         counters.steps += 1
         counters.last_step_seconds = seconds
         counters.step_seconds += seconds
         counters.step_time.observe(seconds)
-        counters.prompt_tokens_computed += prompt_tokens
-        counters.generation_tokens += sampled
+        counters.prompt_tokens_computed += batch.prompt_tokens
+        counters.generation_tokens += len(batch.rows)
         counters.batched_tokens += out.num_batched_tokens
         counters.requests_finished += sum(output.finished for output in outputs)
         counters.last_step_tokens = out.num_batched_tokens

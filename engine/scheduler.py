@@ -409,13 +409,25 @@ class Scheduler:
             prompt_top_logprobs=(seq.params.prompt_logprobs or 0) if targets else 0,
         )
 
-    def computed(self, output: SchedulerOutput, seqs: list[Sequence]) -> None:
-        """The step ran: advance the computed counts of its scheduled sequences (`seqs`, in `output.scheduled`'s
-        order) and offer their newly full blocks to the prefix cache. Sampled tokens are appended by the
-        requests' owner (engine/requests.py), never here."""
+    def update(
+        self,
+        output: SchedulerOutput,
+        seqs: list[Sequence],
+        forks: list[tuple[Sequence, Sequence]],
+        finished: list[Sequence],
+    ) -> None:
+        """What a step means for the KV cache, told once by the requests' owner (engine/requests.py), which appends
+        the sampled tokens and decides forks and finishes: the scheduled sequences (`seqs`, in `output.scheduled`'s
+        order) advance their computed counts and offer their newly full blocks to the prefix cache; each
+        (parent, child) of `forks` joins its parent (`fork`); then the `finished` sequences free their blocks (a
+        parent may be among them: its first token was a stop, and its siblings took its blocks first)."""
         for item, seq in zip(output.scheduled, seqs):
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
+        for parent, child in forks:
+            self.fork(parent, child)
+        for seq in finished:
+            self.finish(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Queue `child`, a new sample whose tokens are parent's computed ones plus one more: beside a running

@@ -38,7 +38,7 @@ def make_seq(seq_id: int, prompt_len: int, priority: int = 0) -> Sequence:
 
 def run_step(scheduler: Scheduler, seqs: dict[int, Sequence]):
     out = scheduler.schedule()
-    scheduler.computed(out, [seqs[item.seq_id] for item in out.scheduled])
+    scheduler.update(out, [seqs[item.seq_id] for item in out.scheduled], [], [])
     for item in out.scheduled:
         if item.needs_sample:  # what engine/requests.py does with a sampled token
             seqs[item.seq_id].output_token_ids.append(7)
@@ -274,7 +274,7 @@ def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
             stats["copied"] += len(out.blocks_to_copy)
             sampled = {i.seq_id: 1 + (i.seq_id * 31 + len(seqs[i.seq_id].output_token_ids)) % 5
                        for i in out.scheduled if i.needs_sample}
-            scheduler.computed(out, [seqs[i.seq_id] for i in out.scheduled])
+            scheduler.update(out, [seqs[i.seq_id] for i in out.scheduled], [], [])
             for seq_id, token in sampled.items():
                 seqs[seq_id].output_token_ids.append(token)
             for seq in list(scheduler.running):
