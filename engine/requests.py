@@ -12,8 +12,8 @@ cache (`Scheduler.update`: computed counts, the forks that share their parent's 
 whose blocks are freed) and returns plain `RequestOutput`s. nano-vllm's `postprocess` and vLLM v1's
 `update_from_output` have the same place; here the scheduler does not append tokens nor check stops.
 
-Each feature keeps its state in a small type of its own: `Sample` (one sequence's output: text, log-probs,
-grammar matcher, finish), `BeamSearch` (engine/beam_search.py), `PromptLogprobsRecord`
+Each feature keeps its state in a small type of its own: `Sample` (engine/samples.py: one sequence's output:
+text, log-probs, grammar matcher, finish), `BeamSearch` (engine/beam_search.py), `PromptLogprobsRecord`
 (engine/prompt_logprobs.py), and the structured-output grammar, compiling (`Request.grammar`) then per sample.
 """
 
@@ -27,11 +27,12 @@ from itertools import accumulate
 from typing import Any
 
 from engine.beam_search import Beam, BeamSearch, BeamSearchState, NextBeam
-from engine.detokenizer import IncrementalDetokenizer, decode_complete
+from engine.detokenizer import decode_complete
 from engine.metrics import StepCounters
 from engine.model_runner import StepResult
-from engine.outputs import CompletionOutput, FinishReason, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.prompt_logprobs import PromptLogprobsRecord
+from engine.samples import Sample, TopLogprobs
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -40,64 +41,6 @@ from engine.tokenizer import Tokenizer
 
 # GrammarCompilerPool.matcher: (compiled grammar, the request's stop ids) -> a fresh xgrammar.GrammarMatcher
 MatcherFactory = Callable[[Any, list[int]], Any]
-# The sampler's top alternatives of a step: (token ids, log-probs), each [row][rank]
-TopLogprobs = tuple[list[list[int]], list[list[float]]]
-
-
-@dataclass
-class Sample:
-    """One sequence of a request and what it produced so far."""
-
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer | None  # only when text is needed before the end
-    logprobs: list[dict[int, float]] | None
-    matcher: Any = None  # xgrammar.GrammarMatcher: the parse state of a structured-output sample
-    cumulative_logprob: float = 0.0
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-
-    def check_stop(self, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
-        """`token`, the last of the output, may finish the sample: stop ids, eos, stop strings, max_tokens, context."""
-        seq, params = self.seq, self.seq.params
-        num_output = len(seq.output_token_ids)
-        # As in vLLM, no stop condition counts before min_tokens, stop strings included.
-        may_stop = num_output >= params.min_tokens
-        stopped_by_token = may_stop and token in params.stop_token_ids
-        stop_string = None
-        # A stop token's text stays out of the output unless asked for, like a stop string's (vLLM).
-        if self.detokenizer is not None and (not stopped_by_token or params.include_stop_str_in_output):
-            stop_string = self.detokenizer.append(token, check_stop=may_stop)
-        if stopped_by_token:
-            self.finish_reason, self.stop_reason = "stop", token
-        elif may_stop and token in eos_token_ids and not params.ignore_eos:
-            self.finish_reason = "stop"
-        elif stop_string is not None:
-            self.finish_reason, self.stop_reason = "stop", stop_string
-        if self.finish_reason is None and (
-            (params.max_tokens is not None and num_output >= params.max_tokens) or seq.num_tokens >= max_model_len
-        ):
-            self.finish_reason = "length"
-
-    def completion(self, tokenizer: Tokenizer | None) -> CompletionOutput:
-        seq = self.seq
-        if self.detokenizer is not None:
-            text = self.detokenizer.output_text(finished=self.finish_reason is not None)
-        elif tokenizer is not None:
-            text_ids = seq.output_token_ids
-            if isinstance(self.stop_reason, int) and not seq.params.include_stop_str_in_output:
-                text_ids = text_ids[:-1]  # the stop token, kept out of the text as in check_stop
-            text = decode_complete(tokenizer, text_ids)
-        else:
-            text = ""
-        return CompletionOutput(
-            index=seq.sample_index,
-            text=text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            cumulative_logprob=self.cumulative_logprob,
-        )
 
 
 @dataclass
@@ -330,13 +273,7 @@ class Requests:
 
     def _accept(self, sample: Sample, token: int, logprob: float, top: TopLogprobs | None, row: int) -> None:
         """A sampled token, already appended: its log-probs, the grammar, the stop checks, jump-ahead."""
-        sample.cumulative_logprob += logprob
-        if sample.logprobs is not None:
-            entry = {token: logprob}
-            if top is not None:
-                wanted = sample.seq.params.logprobs or 0
-                entry.update(zip(top[0][row][:wanted], top[1][row][:wanted]))
-            sample.logprobs.append(entry)
+        sample.record_logprobs(token, logprob, top, row)
         if sample.matcher is not None and not sample.matcher.accept_token(token):
             # The bitmask allowed only what the matcher accepts: reaching here is a bug, and this
             # sample's output can no longer be trusted to match its constraint.
@@ -418,16 +355,7 @@ class Requests:
             output_token_ids=output_token_ids,
         )
         self._next_seq_id += 1
-        needs_text_early = bool(params.stop) or request.stream
-        sample = Sample(
-            seq=seq,
-            detokenizer=(
-                IncrementalDetokenizer(self._tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output)
-                if needs_text_early and self._tokenizer is not None
-                else None
-            ),
-            logprobs=[] if params.logprobs is not None else None,
-        )
+        sample = Sample.of(seq, self._tokenizer, request.stream)
         request.samples.append(sample)
         self._samples[seq.seq_id] = sample
         return sample

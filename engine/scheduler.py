@@ -409,18 +409,12 @@ class Scheduler:
             prompt_top_logprobs=(seq.params.prompt_logprobs or 0) if targets else 0,
         )
 
-    def update(
-        self,
-        output: SchedulerOutput,
-        seqs: list[Sequence],
-        forks: list[tuple[Sequence, Sequence]],
-        finished: list[Sequence],
-    ) -> None:
-        """What a step means for the KV cache, told once by the requests' owner (engine/requests.py), which appends
-        the sampled tokens and decides forks and finishes: the scheduled sequences (`seqs`, in `output.scheduled`'s
-        order) advance their computed counts and offer their newly full blocks to the prefix cache; each
-        (parent, child) of `forks` joins its parent (`fork`); then the `finished` sequences free their blocks (a
-        parent may be among them: its first token was a stop, and its siblings took its blocks first)."""
+    def update(self, output: SchedulerOutput, seqs: list[Sequence], forks: list[tuple[Sequence, Sequence]],
+               finished: list[Sequence]) -> None:
+        """A step's consequences for the KV cache, told once by engine/requests.py (which appends the tokens and
+        decides forks and finishes): the scheduled `seqs` (in `output.scheduled`'s order) advance their computed
+        counts and offer newly full blocks to the prefix cache; each (parent, child) of `forks` joins its parent;
+        then the `finished` free their blocks (a parent among them, its first token a stop, was forked first)."""
         for item, seq in zip(output.scheduled, seqs):
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
