@@ -28,7 +28,8 @@ from engine.metrics import EngineStats, StepCounters
 from engine.model_runner import ModelRunner, StepResult
 from engine.model_shard import ShardSpec, build_model_shard, rank_model_config, windowed_blocks_per_sequence
 from engine.outputs import RequestOutput
-from engine.requests import Requests, StepBatch
+from engine.request_state import StepBatch
+from engine.requests import Requests
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner

@@ -12,9 +12,10 @@ cache (`Scheduler.update`: computed counts, the forks that share their parent's 
 whose blocks are freed) and returns plain `RequestOutput`s. nano-vllm's `postprocess` and vLLM v1's
 `update_from_output` have the same place; here the scheduler does not append tokens nor check stops.
 
-Each feature keeps its state in a small type of its own: `Sample` (engine/samples.py: one sequence's output:
-text, log-probs, grammar matcher, finish), `BeamSearch` (engine/beam_search.py), `PromptLogprobsRecord`
-(engine/prompt_logprobs.py), and the structured-output grammar, compiling (`Request.grammar`) then per sample.
+The state itself is plain data (engine/request_state.py), each feature's in a small type of its own: `Sample`
+(one sequence's output: text, log-probs, grammar matcher, finish), `BeamSearch` (engine/beam_search.py),
+`PromptLogprobsRecord` (engine/prompt_logprobs.py), and the structured-output grammar, compiling
+(`Request.grammar`) then per sample (`Sample.matcher`).
 """
 
 from __future__ import annotations
@@ -22,17 +23,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
 from engine.beam_search import Beam, BeamSearch, BeamSearchState, NextBeam
-from engine.detokenizer import decode_complete
+from engine.detokenizer import IncrementalDetokenizer, decode_complete
 from engine.metrics import StepCounters
 from engine.model_runner import StepResult
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.prompt_logprobs import PromptLogprobsRecord
-from engine.samples import Sample, TopLogprobs
+from engine.request_state import Request, Sample, StepBatch, TopLogprobs
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -41,47 +41,6 @@ from engine.tokenizer import Tokenizer
 
 # GrammarCompilerPool.matcher: (compiled grammar, the request's stop ids) -> a fresh xgrammar.GrammarMatcher
 MatcherFactory = Callable[[Any, list[int]], Any]
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    priority: int
-    arrival_order: int
-    base_seed: int  # sample i draws with base_seed + i
-    samples: list[Sample] = field(default_factory=list)  # with beam search: the live beams, best first
-    beams: BeamSearch | None = None
-    grammar: Future[Any] | None = None  # structured output: its compiled grammar, maybe still compiling
-    prompt_logprobs: PromptLogprobsRecord | None = None
-    error: str | None = None  # why the request could not run (its constraint did not compile)
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        if self.beams is not None:
-            return self.beams.done
-        return all(s.finish_reason is not None for s in self.samples)
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """A scheduled step as the requests see it: the sequences that sample, in schedule order, and the rows the
-    sampler draws for them."""
-
-    samples: list[Sample]
-    requests: list[Request]  # each sample's
-    fanout: list[int]  # rows per sample, consecutive: a prompt reaching its first token samples once per sample
-    rows: list[SamplingRow]
-    prompt_tokens: int  # prompt positions the step computes (a recomputed prompt counts again)
-
-    @property
-    def matchers(self) -> list[Any]:
-        """Per row, its grammar matcher (None when unconstrained)."""
-        return [sample.matcher for sample, count in zip(self.samples, self.fanout) for _ in range(count)]
 
 
 class Requests:
@@ -273,7 +232,13 @@ class Requests:
 
     def _accept(self, sample: Sample, token: int, logprob: float, top: TopLogprobs | None, row: int) -> None:
         """A sampled token, already appended: its log-probs, the grammar, the stop checks, jump-ahead."""
-        sample.record_logprobs(token, logprob, top, row)
+        sample.cumulative_logprob += logprob
+        if sample.logprobs is not None:
+            entry = {token: logprob}
+            if top is not None:
+                wanted = sample.seq.params.logprobs or 0
+                entry.update(zip(top[0][row][:wanted], top[1][row][:wanted]))
+            sample.logprobs.append(entry)
         if sample.matcher is not None and not sample.matcher.accept_token(token):
             # The bitmask allowed only what the matcher accepts: reaching here is a bug, and this
             # sample's output can no longer be trusted to match its constraint.
@@ -285,9 +250,28 @@ class Requests:
             self._jump_ahead(sample)
 
     def _check_stop(self, sample: Sample, token: int) -> None:
-        sample.check_stop(token, self._eos_token_ids, self._max_model_len)
+        """`token`, the last of the output, may finish the sample: stop ids, eos, stop strings, max_tokens, context."""
+        seq, params = sample.seq, sample.seq.params
+        num_output = len(seq.output_token_ids)
+        # As in vLLM, no stop condition counts before min_tokens, stop strings included.
+        may_stop = num_output >= params.min_tokens
+        stopped_by_token = may_stop and token in params.stop_token_ids
+        stop_string = None
+        # A stop token's text stays out of the output unless asked for, like a stop string's (vLLM).
+        if sample.detokenizer is not None and (not stopped_by_token or params.include_stop_str_in_output):
+            stop_string = sample.detokenizer.append(token, check_stop=may_stop)
+        if stopped_by_token:
+            sample.finish_reason, sample.stop_reason = "stop", token
+        elif may_stop and token in self._eos_token_ids and not params.ignore_eos:
+            sample.finish_reason = "stop"
+        elif stop_string is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop_string
+        if sample.finish_reason is None and (
+            (params.max_tokens is not None and num_output >= params.max_tokens) or seq.num_tokens >= self._max_model_len
+        ):
+            sample.finish_reason = "length"
         if sample.finish_reason is not None:
-            self._release(sample.seq)
+            self._release(seq)
 
     def _jump_ahead(self, sample: Sample) -> None:
         """Append the one continuation the grammar allows, token by token through the matcher and the
@@ -355,7 +339,16 @@ class Requests:
             output_token_ids=output_token_ids,
         )
         self._next_seq_id += 1
-        sample = Sample.of(seq, self._tokenizer, request.stream)
+        needs_text_early = bool(params.stop) or request.stream
+        sample = Sample(
+            seq=seq,
+            detokenizer=(
+                IncrementalDetokenizer(self._tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output)
+                if needs_text_early and self._tokenizer is not None
+                else None
+            ),
+            logprobs=[] if params.logprobs is not None else None,
+        )
         request.samples.append(sample)
         self._samples[seq.seq_id] = sample
         return sample
@@ -380,6 +373,27 @@ class Requests:
 
     # ---- what the caller sees ---------------------------------------------------------------
 
+    def _completion(self, sample: Sample) -> CompletionOutput:
+        seq = sample.seq
+        if sample.detokenizer is not None:
+            text = sample.detokenizer.output_text(finished=sample.finish_reason is not None)
+        elif self._tokenizer is not None:
+            text_ids = seq.output_token_ids
+            if isinstance(sample.stop_reason, int) and not seq.params.include_stop_str_in_output:
+                text_ids = text_ids[:-1]  # the stop token, kept out of the text as in _check_stop
+            text = decode_complete(self._tokenizer, text_ids)
+        else:
+            text = ""
+        return CompletionOutput(
+            index=seq.sample_index,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+            logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+            cumulative_logprob=sample.cumulative_logprob,
+        )
+
     def _snapshot(self, request: Request) -> RequestOutput:
         if request.beams is not None and request.beams.done:
             completions = [
@@ -393,7 +407,7 @@ class Requests:
                 for index, h in enumerate(request.beams.best(request.params.n))
             ]
         else:
-            completions = [sample.completion(self._tokenizer) for sample in request.samples]
+            completions = [self._completion(sample) for sample in request.samples]
         if len(completions) > request.params.n:  # best_of: only ever at the end (no streaming)
             completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[: request.params.n]
             for index, completion in enumerate(completions):
