@@ -75,6 +75,26 @@ class BeamSearchState:
         return max(2, 1 + len(self.eos_token_ids)) * self.beam_width
 
 
+@dataclass
+class BeamSearch:
+    """A request's beam search in the engine: the hypotheses, the next-token log-probs of the live beams computed
+    so far this step (a step advances the beams once every live beam has its row), and whether it is done."""
+
+    state: BeamSearchState
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> its next-token log-probs
+    done: bool = False  # then `best(n)` is the answer
+
+    def advance(self, seq_ids: Sequence[int], live: Sequence[Beam], is_last_step: bool) -> list[NextBeam]:
+        """One step, once every live beam (`live`, the sequences `seq_ids`) has its log-probs in `pending`: the next
+        beams, best first; none when the search is done."""
+        logprobs = torch.stack([self.pending.pop(seq_id) for seq_id in seq_ids])
+        next_beams, self.done = beam_search_step(self.state, live, logprobs, is_last_step)
+        return next_beams
+
+    def best(self, n: int) -> list[FinishedBeam]:
+        return best_hypotheses(self.state, n)
+
+
 def beam_search_step(
     state: BeamSearchState,
     live_beams: Sequence[Beam],

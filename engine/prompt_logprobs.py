@@ -10,7 +10,7 @@ projection a bounded number of rows at a time, so a long prompt's [tokens, vocab
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,23 @@ class PromptLogprobs:
     first_position: int  # the prompt position of the first token scored
     token_logprobs: list[float]  # each scored token's own log-prob
     top: list[dict[int, float]]  # each position's top alternatives: token id -> log-prob
+
+
+@dataclass
+class PromptLogprobsRecord:
+    """A request's prompt log-probs so far: per prompt position, token id -> log-prob (its own token, then the top
+    alternatives); the first position has None (nothing predicts it). Grows as the prefill's chunks compute."""
+
+    positions: list[dict[int, float] | None] = field(default_factory=lambda: [None])
+
+    def record(self, prompt_token_ids: Sequence[int], scored: PromptLogprobs) -> None:
+        """Append a chunk's prompt log-probs. A prompt recomputed after preemption scores its positions again:
+        those already recorded are kept."""
+        recorded = self.positions
+        assert scored.first_position <= len(recorded), "prompt log-probs skipped a position"
+        for offset in range(len(recorded) - scored.first_position, len(scored.token_logprobs)):
+            position = scored.first_position + offset
+            recorded.append({prompt_token_ids[position]: scored.token_logprobs[offset], **scored.top[offset]})
 
 
 def score_prompts(

@@ -409,15 +409,31 @@ class Scheduler:
             prompt_top_logprobs=(seq.params.prompt_logprobs or 0) if targets else 0,
         )
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int], seqs: dict[int, Sequence]) -> None:
-        """Advance computed counts, offer newly full blocks to the prefix cache, and append the tokens
-        sampled for the step's sequences (a sequence missing from `sampled` gets none yet)."""
-        for item in output.scheduled:
-            seq = seqs[item.seq_id]
+    def update(self, output: SchedulerOutput, seqs: list[Sequence], forks: list[tuple[Sequence, Sequence]],
+               finished: list[Sequence]) -> None:
+        """A step's consequences for the KV cache, told once by engine/requests.py (which appends the tokens and
+        decides forks and finishes): the scheduled `seqs` (in `output.scheduled`'s order) advance their computed
+        counts and offer newly full blocks to the prefix cache; each (parent, child) of `forks` joins its parent;
+        then the `finished` free their blocks (a parent among them, its first token a stop, was forked first)."""
+        for item, seq in zip(output.scheduled, seqs):
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            if item.seq_id in sampled:
-                seq.output_token_ids.append(sampled[item.seq_id])
+        for parent, child in forks:
+            self.fork(parent, child)
+        for seq in finished:
+            self.finish(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Queue `child`, a new sample whose tokens are parent's computed ones plus one more: beside a running
+        parent it shares parent's blocks; a parent parked in the host pool or preempted (a beam) leaves the child
+        to compute, from the prefix cache."""
+        if parent.status is SequenceStatus.RUNNING:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.last_scheduled_step = parent.last_scheduled_step
+            self.block_manager.fork(parent, child)
+            self.add_running(child)
+        else:
+            self.add(child)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and return its blocks (in both pools) now."""

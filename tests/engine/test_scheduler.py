@@ -38,8 +38,10 @@ def make_seq(seq_id: int, prompt_len: int, priority: int = 0) -> Sequence:
 
 def run_step(scheduler: Scheduler, seqs: dict[int, Sequence]):
     out = scheduler.schedule()
-    sampled = {item.seq_id: 7 for item in out.scheduled if item.needs_sample}
-    scheduler.update(out, sampled, seqs)
+    scheduler.update(out, [seqs[item.seq_id] for item in out.scheduled], [], [])
+    for item in out.scheduled:
+        if item.needs_sample:  # what engine/requests.py does with a sampled token
+            seqs[item.seq_id].output_token_ids.append(7)
     return out
 
 
@@ -274,7 +276,9 @@ def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
             stats["copied"] += len(out.blocks_to_copy)
             sampled = {i.seq_id: 1 + (i.seq_id * 31 + len(seqs[i.seq_id].output_token_ids)) % 5
                        for i in out.scheduled if i.needs_sample}
-            scheduler.update(out, sampled, seqs)
+            scheduler.update(out, [seqs[i.seq_id] for i in out.scheduled], [], [])
+            for seq_id, token in sampled.items():
+                seqs[seq_id].output_token_ids.append(token)
             for seq in list(scheduler.running):
                 table = manager.block_table(seq.seq_id)
                 for position in range(seq.num_computed_tokens):
@@ -291,9 +295,7 @@ def test_no_block_leaks_and_every_sequence_reads_its_own_prefix(
                 child = make_seq(next_id, 1)
                 child.prompt_token_ids, child.output_token_ids = parent.prompt_token_ids, list(parent.output_token_ids)
                 child.output_token_ids[-1] += 1  # a sibling's different sample
-                child.num_computed_tokens = parent.num_computed_tokens
-                manager.fork(parent, child)
-                scheduler.add_running(child)
+                scheduler.fork(parent, child)
                 seqs[next_id] = child
                 next_id += 1
         elif seqs:
