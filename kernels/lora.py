@@ -21,13 +21,14 @@ def _lora_shrink_kernel(
     token = tl.program_id(0).to(tl.int64)
     ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot = tl.load(slots_ptr + token)
-    active = slot >= 0
+    # A base row reads nothing: its columns end at 0 (a bound, as masks take no scalar conditions)
+    columns = tl.where(slot >= 0, in_features, 0)
     slot = tl.maximum(slot, 0).to(tl.int64)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for start in range(0, in_features, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + token * x_stride + cols, mask=(cols < in_features) & active, other=0.0).to(tl.float32)
-        a_mask = (ranks[:, None] < rank) & (cols[None, :] < in_features) & active
+        x = tl.load(x_ptr + token * x_stride + cols, mask=cols < columns, other=0.0).to(tl.float32)
+        a_mask = (ranks[:, None] < rank) & (cols[None, :] < columns)
         a = tl.load(
             a_ptr + slot * a_stride_slot + ranks[:, None] * a_stride_rank + cols[None, :], mask=a_mask, other=0.0
         ).to(tl.float32)
@@ -46,18 +47,18 @@ def _lora_expand_kernel(
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slots_ptr + token)
-    active = slot >= 0
+    columns = tl.where(slot >= 0, out_features, 0)  # a base row writes nothing
     slot = tl.maximum(slot, 0).to(tl.int64)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for start in range(0, rank, BLOCK_R):
         ranks = start + tl.arange(0, BLOCK_R)
         y = tl.load(y_ptr + token * y_stride + ranks, mask=ranks < rank, other=0.0)
-        b_mask = (cols[:, None] < out_features) & (ranks[None, :] < rank) & active
+        b_mask = (cols[:, None] < columns) & (ranks[None, :] < rank)
         b = tl.load(
             b_ptr + slot * b_stride_slot + cols[:, None] * b_stride_out + ranks[None, :], mask=b_mask, other=0.0
         ).to(tl.float32)
         acc += tl.sum(b * y[None, :], axis=1)
-    out_mask = (cols < out_features) & active
+    out_mask = cols < columns
     previous = tl.load(out_ptr + token * out_stride + cols, mask=out_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * out_stride + cols, (previous + acc).to(out_ptr.dtype.element_ty), mask=out_mask)
 
