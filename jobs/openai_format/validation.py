@@ -168,7 +168,7 @@ class BatchLineValidator:
         try:
             if url == CHAT_COMPLETIONS:
                 chat = _parse_body(ChatCompletionBody, body)
-                self._check_model(chat.model, "generation")
+                adapter = self._check_model(chat.model, "generation")
                 plan, constraint = _with_tools(
                     chat.constraint(), chat.tools, chat.tool_choice, chat.parallel_tool_calls, self._call_syntax or HERMES
                 )
@@ -180,7 +180,7 @@ class BatchLineValidator:
                 logit_bias = chat.logit_bias
             elif url == RESPONSES:
                 responses = _parse_body(ResponsesBody, body)
-                self._check_model(responses.model, "generation")
+                adapter = self._check_model(responses.model, "generation")
                 tools = responses.chat_tools()
                 plan, constraint = _with_tools(
                     responses.constraint(),
@@ -197,7 +197,7 @@ class BatchLineValidator:
                 response_fields = responses.echoed()
             else:
                 completion = _parse_body(CompletionBody, body)
-                self._check_model(completion.model, "generation")
+                adapter = self._check_model(completion.model, "generation")
                 constraint = completion.constraint()
                 prompts = [self._encode_prompt(prompt) for prompt in completion.prompt]
                 requested_max_tokens = completion.max_tokens
@@ -223,6 +223,7 @@ class BatchLineValidator:
                 prompt_logprobs=prompt_logprobs,
                 structured_output=constraint,
                 logit_bias=bias,
+                adapter=adapter,
             )
         except ValueError as invalid:
             raise _LineRejected("invalid_parameter", str(invalid)) from None
@@ -239,20 +240,23 @@ class BatchLineValidator:
             for prompt in completion.prompt
         ]
 
-    def _check_model(self, name: str | None, kind: ModelKind) -> None:
+    def _check_model(self, name: str | None, kind: ModelKind) -> str | None:
+        """Rejects a `model` no one serves, or of another base model than the batch's; returns the LoRA adapter it
+        names (None: the base model)."""
         if name is None:
-            return
+            return None
         served = self._models.resolve(name, kind)
         if served is None:
             raise _LineRejected(
                 "model_not_found", f"The model {name!r} does not exist or is not served by this deployment"
             )
-        if self._batch_model is not None and served != self._batch_model:
+        if self._batch_model is not None and self._models.base_of(served) != self._batch_model:
             raise _LineRejected(
                 "model_not_found",
                 f"The model {name!r} is not this batch's: a batch runs one model, {self._batch_model!r} "
-                "(the model its first line names)",
+                "(the model its first line names) or its adapters",
             )
+        return self._models.adapter(served)
 
     def _logit_bias(self, logit_bias: dict[str, float] | None) -> dict[int, float]:
         if not logit_bias:

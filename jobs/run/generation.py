@@ -83,7 +83,8 @@ class GenerationKind(OpenAILinesKind):
                 if stopped == StopReason.expired:  # when cancelled, as OpenAI: only what finished is reported
                     records.append(expired_record(request.custom_id))
                 continue
-            records.append(response_record(request, results, model=model, tokenizer=self.engine.tokenizer))
+            answered_by = request.sampling_params.adapter or model  # a LoRA adapter's line names the adapter
+            records.append(response_record(request, results, model=answered_by, tokenizer=self.engine.tokenizer))
         return records
 
     def _await_or_abort(self, batch_id: str, handles: list[RequestHandle]) -> StopReason | None:
