@@ -59,7 +59,7 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, PEFT module) -> (A [r, in], B [out, r])
 
 
-def _projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """Each PEFT target module's (in, out) features in the base model."""
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -95,7 +95,7 @@ def load_adapter(name: str, folder: str | Path, config: ModelConfig, max_rank: i
         unsupported.append("bias")
     if unsupported:
         raise ValueError(f"adapter {name!r}: adapter_config.json sets {unsupported}, which this engine does not support")
-    shapes = _projection_shapes(config)
+    shapes = projection_shapes(config)
     targets = settings.get("target_modules")
     if not isinstance(targets, list) or not targets or set(targets) - set(shapes):
         raise ValueError(
