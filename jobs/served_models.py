@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Literal
 
 from redis import Redis
@@ -64,6 +65,18 @@ def parse_pairs(raw: str, setting: str, shape: str) -> dict[str, str]:
     if any(len(pair) != 2 or not pair[0].strip() or not pair[1].strip() for pair in split):
         raise ValueError(f"{setting} must be '{shape},...' pairs or a JSON object, got {raw!r}")
     return {name.strip(): value.strip() for name, value in split}
+
+
+def parse_lora_adapters(raw: str) -> dict[str, str]:
+    """`CONVEYOR_LORA_ADAPTERS`: `name=folder` pairs (or a JSON object), or one directory whose every subfolder holding
+    an adapter_config.json is an adapter named by the subfolder."""
+    text = raw.strip()
+    if text and "=" not in text and not text.startswith("{"):
+        directory = Path(text)
+        if not directory.is_dir():
+            raise ValueError(f"CONVEYOR_LORA_ADAPTERS names no directory and no 'name=folder' pairs: {raw!r}")
+        return {sub.name: str(sub) for sub in sorted(directory.iterdir()) if (sub / "adapter_config.json").is_file()}
+    return parse_pairs(text, "CONVEYOR_LORA_ADAPTERS", "name=folder")
 
 
 @dataclass(frozen=True)

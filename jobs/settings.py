@@ -94,8 +94,9 @@ class Settings(BaseSettings):
     )
     lora_adapters: str = Field(
         "",
-        description="LoRA adapters the worker serves on its model, `name=folder,...` (PEFT folders) or a JSON object: "
-        "each a served model named `name` (routable, aliasable, listed with its `parent`), loaded once at start",
+        description="LoRA adapters the worker serves on its model: `name=folder,...` (PEFT folders), a JSON object, or "
+        "a directory whose subfolders are adapters named by the subfolder; each a served model named `name` "
+        "(routable, aliasable, listed with its `parent`), loaded once at start",
     )
     model_announce_ttl_seconds: float = Field(
         DEFAULT_ANNOUNCE_TTL_SECONDS,

@@ -36,7 +36,7 @@ from jobs.run.generation import GenerationKind
 from jobs.run.kinds import EngineHandle, JobKind
 from jobs.run.pipeline import Pipeline
 from jobs.served_models import (
-    UNROUTED_QUEUE, ModelRegistry, WorkerModels, parse_aliases, parse_names, parse_pairs, process_models,
+    UNROUTED_QUEUE, ModelRegistry, WorkerModels, parse_aliases, parse_lora_adapters, parse_names, process_models,
 )
 from jobs.settings import Settings
 from jobs.stop_flags import StopFlags
@@ -56,7 +56,7 @@ def build_engine(settings: Settings) -> EngineLoop:
     # Only found, not loaded (see LazyEmbedder): a misnamed embedding model fails the worker now, not a batch later.
     resolve_embedding_model(settings.embedding_model)
     log.info("loading model %s", settings.model)
-    adapters = parse_pairs(settings.lora_adapters, "CONVEYOR_LORA_ADAPTERS", "name=folder")
+    adapters = parse_lora_adapters(settings.lora_adapters)
 
     def engine_with_adapters() -> LLMEngine:
         engine = LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options)
