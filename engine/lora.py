@@ -10,8 +10,11 @@ shrink (their A stacked, [parts * R, in]) and one expand (their B placed block-d
 so each projection costs two grouped matmuls per step whatever the targets. Ranks below `max_lora_rank` and
 projections an adapter does not target are zero-padded. The term is added by a forward hook on the four
 projections of each layer, so the model code is unchanged: the hook reads the step's row -> slot map the runner
-set (`begin_step`). On CUDA the Triton kernel (kernels/lora.py) handles any mix of rows in two launches; on CPU the
-rows are grouped by slot and each group is one pair of matmuls.
+set (`begin_step`). On CUDA the Triton kernel (kernels/lora.py) handles any mix of rows in two launches. On CPU a
+step of few rows (decode) runs every slot at once, three ops whatever the mix: x times all slots' A stacked, masked to
+each row's own slot's columns, times all slots' B side by side (reading every slot's weights, which a decode step is
+bound by anyway); a larger step groups its rows by slot, one pair of matmuls per adapter present, so its arithmetic
+does not grow with the slots (measured on SmolLM2's q/k/v at 32 rows, 4 adapters: about 1.5x faster than grouping).
 """
 
 from __future__ import annotations
@@ -131,12 +134,18 @@ def _read_weights(
     return weights
 
 
+# CPU: steps of at most this many rows run every slot at once (masked), larger ones grouped by slot
+_CPU_ALL_SLOTS_MAX_ROWS = 256
+
+
 @dataclass(frozen=True)
 class _StepRows:
-    """The step's rows of each resident adapter: `token_slots` [T] for the kernel, `groups` for the CPU path."""
+    """The step's rows of each resident adapter: `token_slots` [T] for the kernel; on CPU either `slot_of_row` (the
+    all-slots path, masked) or `groups` (rows grouped by slot)."""
 
     token_slots: torch.Tensor
     groups: list[tuple[int, torch.Tensor]]  # (slot, row indices)
+    slot_of_row: torch.Tensor | None  # [T, 1] int64
 
 
 class _SlotProjection:
@@ -145,9 +154,13 @@ class _SlotProjection:
     def __init__(self, module: nn.Linear, parts: tuple[str, ...], part_sizes: list[int], num_slots: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.parts, self.part_sizes, self.max_rank = parts, part_sizes, max_rank
-        width = len(parts) * max_rank
-        self.a = torch.zeros(num_slots, width, module.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, module.out_features, width, dtype=dtype, device=device)
+        self.width = len(parts) * max_rank
+        self.a = torch.zeros(num_slots, self.width, module.in_features, dtype=dtype, device=device)
+        # Stored [out, slots, width], so all slots side by side are one [out, slots * width] view; `b` is [slots, out, width]
+        self.b_all = torch.zeros(module.out_features, num_slots, self.width, dtype=dtype, device=device)
+        self.b = self.b_all.permute(1, 0, 2)
+        # Each column of the stacked shrink output -> its slot, for the all-slots path's mask
+        self.slot_of_column = torch.arange(num_slots, device=device).repeat_interleave(self.width)
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
         self.a[slot].zero_()
@@ -198,10 +211,12 @@ class LoRASlotWeights:
         for row, slot in enumerate(token_slots):
             if slot >= 0:
                 by_slot.setdefault(slot, []).append(row)
-        groups = [] if self.use_triton else [
+        all_slots = not self.use_triton and len(token_slots) <= _CPU_ALL_SLOTS_MAX_ROWS
+        groups = [] if self.use_triton or all_slots else [
             (slot, torch.tensor(rows, dtype=torch.int64, device=device)) for slot, rows in by_slot.items()
         ]
-        self._rows = _StepRows(torch.tensor(token_slots, dtype=torch.int32, device=device), groups)
+        slot_of_row = torch.tensor(token_slots, device=device).unsqueeze(1) if all_slots else None
+        self._rows = _StepRows(torch.tensor(token_slots, dtype=torch.int32, device=device), groups, slot_of_row)
         self._offsets.clear()
         return True
 
@@ -219,6 +234,11 @@ class LoRASlotWeights:
             self._offsets[id(projection)] = (start + x.shape[0]) % total
             if self.use_triton:
                 lora_add(x, projection.a, projection.b, rows.token_slots[start : start + x.shape[0]], output)
+                return
+            if rows.slot_of_row is not None:
+                own_slot = projection.slot_of_column == rows.slot_of_row[start : start + x.shape[0]]  # [rows, slots * width]
+                shrunk = (x @ projection.a.flatten(0, 1).T) * own_slot
+                output.addmm_(shrunk, projection.b_all.flatten(1).T)
                 return
             for slot, indices in rows.groups:
                 if x.shape[0] != total:  # a slice of the step's rows (the CPU MLP's): its rows of this slot
