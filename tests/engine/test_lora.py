@@ -105,13 +105,14 @@ def test_interleaved_adapters_match_peft(lora_case, setup):
 
 
 def test_adapter_lines_keep_sampling_fields(lora_case):
-    """An adapter line takes what a base line takes: log-probs and min_tokens here."""
+    """An adapter line takes what a base line takes: log-probs, min_tokens and n here (its samples fork the adapter's
+    prompt blocks)."""
     _, _, prompts, expected = lora_case
     llm = _engine(lora_case)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2, min_tokens=3,
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2, min_tokens=3, n=2,
                             adapter="rs")
     [output] = llm.generate([prompts[0]], params, use_tqdm=False)
-    assert list(output.outputs[0].token_ids) == expected["rs"][0]
+    assert [list(sample.token_ids) for sample in output.outputs] == [expected["rs"][0]] * 2
     assert len(output.outputs[0].logprobs) == MAX_TOKENS
 
 
