@@ -11,9 +11,9 @@ so each projection costs two grouped matmuls per step whatever the targets. Rank
 projections an adapter does not target are zero-padded. The term is added by a forward hook on the four
 projections of each layer, so the model code is unchanged: the hook reads the step's row -> slot map the runner
 set (`begin_step`). On CUDA the Triton kernel (kernels/lora.py) handles any mix of rows in two launches. On CPU a
-step of few rows (decode) runs every slot at once, three ops whatever the mix: x times all slots' A stacked, masked to
-each row's own slot's columns, times all slots' B side by side (reading every slot's weights, which a decode step is
-bound by anyway); a larger step groups its rows by slot, one pair of matmuls per adapter present, so its arithmetic
+step of few rows (decode) runs its slots at once, a few ops whatever the mix: x times the slots' A stacked, masked to
+each row's own slot's columns, times their B stacked (reading each present slot's weights, which a decode step is
+bound by anyway; slots fill from 0, so the stack is the slots up to the highest in use); a larger step groups its rows by slot, one pair of matmuls per adapter present, so its arithmetic
 does not grow with the slots (measured on SmolLM2's q/k/v at 32 rows, 4 adapters: about 1.5x faster than grouping).
 """
 
@@ -146,6 +146,7 @@ class _StepRows:
     token_slots: torch.Tensor
     groups: list[tuple[int, torch.Tensor]]  # (slot, row indices)
     slot_of_row: torch.Tensor | None  # [T, 1] int64
+    spanned: int  # slots 0 .. spanned - 1 hold every adapter of the step (slots fill from 0: usually just those present)
 
 
 class _SlotProjection:
@@ -156,9 +157,10 @@ class _SlotProjection:
         self.parts, self.part_sizes, self.max_rank = parts, part_sizes, max_rank
         self.width = len(parts) * max_rank
         self.a = torch.zeros(num_slots, self.width, module.in_features, dtype=dtype, device=device)
-        # Stored [out, slots, width], so all slots side by side are one [out, slots * width] view; `b` is [slots, out, width]
-        self.b_all = torch.zeros(module.out_features, num_slots, self.width, dtype=dtype, device=device)
-        self.b = self.b_all.permute(1, 0, 2)
+        # B stored transposed, [slots, width, out], so the first k slots stacked are one [k * width, out] view;
+        # `b` is the [slots, out, width] view the kernel reads
+        self.b_t = torch.zeros(num_slots, self.width, module.out_features, dtype=dtype, device=device)
+        self.b = self.b_t.permute(0, 2, 1)
         # Each column of the stacked shrink output -> its slot, for the all-slots path's mask
         self.slot_of_column = torch.arange(num_slots, device=device).repeat_interleave(self.width)
 
@@ -216,7 +218,9 @@ class LoRASlotWeights:
             (slot, torch.tensor(rows, dtype=torch.int64, device=device)) for slot, rows in by_slot.items()
         ]
         slot_of_row = torch.tensor(token_slots, device=device).unsqueeze(1) if all_slots else None
-        self._rows = _StepRows(torch.tensor(token_slots, dtype=torch.int32, device=device), groups, slot_of_row)
+        self._rows = _StepRows(
+            torch.tensor(token_slots, dtype=torch.int32, device=device), groups, slot_of_row, max(by_slot) + 1
+        )
         self._offsets.clear()
         return True
 
@@ -235,16 +239,17 @@ class LoRASlotWeights:
             if self.use_triton:
                 lora_add(x, projection.a, projection.b, rows.token_slots[start : start + x.shape[0]], output)
                 return
-            if rows.slot_of_row is not None:
-                own_slot = projection.slot_of_column == rows.slot_of_row[start : start + x.shape[0]]  # [rows, slots * width]
-                shrunk = (x @ projection.a.flatten(0, 1).T) * own_slot
-                output.addmm_(shrunk, projection.b_all.flatten(1).T)
+            if rows.slot_of_row is not None:  # the first `spanned` slots at once, each row masked to its own
+                columns = rows.spanned * projection.width
+                own_slot = projection.slot_of_column[:columns] == rows.slot_of_row[start : start + x.shape[0]]
+                shrunk = (x @ projection.a[: rows.spanned].flatten(0, 1).T) * own_slot
+                output.addmm_(shrunk, projection.b_t[: rows.spanned].flatten(0, 1))
                 return
             for slot, indices in rows.groups:
                 if x.shape[0] != total:  # a slice of the step's rows (the CPU MLP's): its rows of this slot
                     indices = indices[(indices >= start) & (indices < start + x.shape[0])] - start
                 selected = x.index_select(0, indices)
-                delta = (selected @ projection.a[slot].T) @ projection.b[slot].T
+                delta = (selected @ projection.a[slot].T) @ projection.b_t[slot]
                 output.index_add_(0, indices, delta)
 
         return add_adapter_terms

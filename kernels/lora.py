@@ -40,7 +40,7 @@ def _lora_shrink_kernel(
 def _lora_expand_kernel(
     y_ptr, b_ptr, slots_ptr, out_ptr,
     out_features, rank,
-    y_stride, b_stride_slot, b_stride_out, out_stride,
+    y_stride, b_stride_slot, b_stride_out, b_stride_rank, out_stride,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Program (token, output block): out[t, n] += sum_r y[t, r] * B[s, n, r]; base rows are left as they are."""
@@ -55,7 +55,8 @@ def _lora_expand_kernel(
         y = tl.load(y_ptr + token * y_stride + ranks, mask=ranks < rank, other=0.0)
         b_mask = (cols[:, None] < columns) & (ranks[None, :] < rank)
         b = tl.load(
-            b_ptr + slot * b_stride_slot + cols[:, None] * b_stride_out + ranks[None, :], mask=b_mask, other=0.0
+            b_ptr + slot * b_stride_slot + cols[:, None] * b_stride_out + ranks[None, :] * b_stride_rank, mask=b_mask,
+            other=0.0,
         ).to(tl.float32)
         acc += tl.sum(b * y[None, :], axis=1)
     out_mask = cols < columns
@@ -74,8 +75,8 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: tor
     """Triton launcher: adds each row's adapter term to `out` [T, out] in place. `x` [T, in], `token_slots` [T] int."""
     require_triton()
     _check(x, a, b, token_slots, out)
-    if x.stride(-1) != 1 or out.stride(-1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
-        raise ValueError("the last dimension of x, out, A and B must be contiguous")
+    if x.stride(-1) != 1 or out.stride(-1) != 1 or a.stride(-1) != 1:
+        raise ValueError("the last dimension of x, out and A must be contiguous (B may be any strided view)")
     num_tokens, rank = x.shape[0], a.shape[1]
     if num_tokens == 0:
         return
@@ -89,7 +90,7 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: tor
         BLOCK_R=block_r, BLOCK_K=block_k,
     )
     _lora_expand_kernel[(num_tokens, triton.cdiv(out.shape[1], block_n))](
-        y, b, token_slots, out, out.shape[1], rank, y.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        y, b, token_slots, out, out.shape[1], rank, y.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
         BLOCK_N=block_n, BLOCK_R=block_r,
     )
 

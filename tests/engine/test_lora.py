@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.conftest import save_random_hf_model
 from tests.engine.test_hf_equivalence import TINY_POOL, hf_greedy
 
@@ -60,9 +61,9 @@ def lora_case(tmp_path_factory):
     return str(base), folders, prompts, expected
 
 
-def _engine(case, **options: object) -> LLM:
+def _engine(case, device: str = "cpu", **options: object) -> LLM:
     base, folders, _, _ = case
-    llm = LLM(model=base, dtype="float32", device="cpu", **options)
+    llm = LLM(model=base, dtype="float32", device=device, **options)
     for name, folder in folders.items():
         llm.add_lora(name, folder)
     return llm
@@ -164,3 +165,18 @@ def test_bad_adapter_shapes_for_another_base(lora_case, tmp_path):
     llm = LLM(model=lora_case[0], dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="q_proj needs lora_A"):
         llm.add_lora("q", str(tmp_path / "q"))
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="triton is not installed")
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
+])
+def test_triton_backend_adapters_match_peft(lora_case, device):
+    """The Triton path (kernels/lora.py inside the engine; on CUDA decode steps with adapter rows skip the graphs):
+    one prompt on every variant, in one batch, its first tokens (the interpreter is slow)."""
+    _, _, prompts, expected = lora_case
+    llm = _engine(lora_case, device=device, kernel_backend="triton")
+    params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, adapter=v) for v in VARIANTS]
+    outputs = llm.generate([prompts[0]] * len(VARIANTS), params, use_tqdm=False)
+    assert [list(output.outputs[0].token_ids) for output in outputs] == [expected[v][0][:4] for v in VARIANTS]

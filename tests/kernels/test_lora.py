@@ -23,8 +23,13 @@ def _case(num_tokens: int, in_features: int, out_features: int, rank: int, num_s
 @pytest.mark.parametrize(("num_tokens", "in_features", "out_features", "rank", "num_slots"),
                          [(1, 32, 48, 8, 1), (7, 40, 24, 16, 3), (12, 64, 100, 12, 4)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lora_add_matches_reference(device, dtype, num_tokens, in_features, out_features, rank, num_slots) -> None:
+@pytest.mark.parametrize("transposed_b", [False, True], ids=["b_contiguous", "b_transposed"])
+def test_lora_add_matches_reference(
+    device, dtype, transposed_b, num_tokens, in_features, out_features, rank, num_slots
+) -> None:
     x, a, b, slots, base = _case(num_tokens, in_features, out_features, rank, num_slots, dtype, device)
+    if transposed_b:  # B as the engine keeps it: a [slots, out, R] view of [slots, R, out]
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
     out, expected = base.clone(), base.clone()
     lora_add(x, a, b, slots, out)
     lora_add_reference(x, a, b, slots, expected)
