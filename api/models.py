@@ -25,10 +25,11 @@ class ModelObject(BaseModel):
     object: Literal["model"] = "model"
     created: int  # unix seconds the deployment started serving it
     owned_by: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for a base model
 
     @classmethod
     def of(cls, name: str, model: ServedModel) -> ModelObject:
-        return cls(id=name, created=model.created, owned_by=OWNED_BY)
+        return cls(id=name, created=model.created, owned_by=OWNED_BY, parent=model.parent)
 
 
 class ModelList(BaseModel):

@@ -57,6 +57,14 @@ def _add_run_command(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
         help="let lines naming NAME (e.g. gpt-4o-mini) be answered by the served model SERVED; repeatable. A line "
         "naming a model not served fails with model_not_found",
     )
+    run.add_argument(
+        "--lora-adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter folder PATH on the model as NAME: lines naming NAME (or an alias of it) run "
+        "with the adapter, mixed in one batch with the model's own lines; repeatable",
+    )
     run.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     run.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     run.add_argument("--max-num-seqs", type=int, help="sequences in the running batch at once")
@@ -91,11 +99,12 @@ def _run(args: argparse.Namespace) -> int:
     from engine import LLM, Embedder
     from engine.model_registry import resolve_embedding_model
 
-    from jobs.served_models import ModelNames, parse_aliases, process_models
+    from jobs.served_models import ModelNames, parse_aliases, parse_pairs, process_models
 
     try:
         resolve_embedding_model(args.embedding_model)  # only found here; loaded if the file has embedding lines
         aliases = parse_aliases(",".join(args.model_alias))
+        adapters = parse_pairs(",".join(args.lora_adapter), "--lora-adapter", "NAME=PATH")
     except ValueError as failure:
         return _fail(str(failure))
 
@@ -119,6 +128,12 @@ def _run(args: argparse.Namespace) -> int:
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **engine_options)
     except (ValueError, OSError) as failure:
         return _fail(f"cannot start the engine with model {args.model!r}: {failure}")
+    try:
+        for name, folder in adapters.items():
+            llm.add_lora(name, folder)
+    except ValueError as failure:
+        llm.engine.close()
+        return _fail(f"cannot serve the LoRA adapter: {failure}")
 
     try:
         summary = run_batch_file(
@@ -126,7 +141,7 @@ def _run(args: argparse.Namespace) -> int:
             output_path,
             llm,
             progress=request_progress(mode),
-            models=ModelNames(process_models([llm.model_name], args.embedding_model), aliases),
+            models=ModelNames(process_models([llm.model_name], args.embedding_model, list(adapters)), aliases),
             make_embedder=lambda: Embedder(args.embedding_model, dtype=args.dtype, device=args.device),
         )
     finally:

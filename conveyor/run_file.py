@@ -83,7 +83,10 @@ def run_batch_file(
 
     records = [
         response_record(
-            item, [next(results_in_order) for _ in item.prompts], model=llm.model_name, tokenizer=llm.tokenizer
+            item,
+            [next(results_in_order) for _ in item.prompts],
+            model=item.sampling_params.adapter or llm.model_name,  # a LoRA adapter's line names the adapter
+            tokenizer=llm.tokenizer,
         )
         if isinstance(item, BatchRequest)
         else next(embedded_in_order)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.prefix_cache import LONG_ROPE_ROOT, BlockHash, PrefixCache, extend_block_hashes
+from engine.prefix_cache import LONG_ROPE_ROOT, BlockHash, PrefixCache, adapter_root, extend_block_hashes
 from engine.sequence import Sequence
 
 BlockPairs = list[tuple[int, int]]  # (source block, destination block)
@@ -43,8 +43,10 @@ FREED = -1  # a table entry whose block was released because no query will read 
 
 
 def _hash_root(seq: Sequence) -> BlockHash | None:
-    """Where the sequence's prefix-cache names start: apart for K/V rotated with LongRoPE's long factors."""
-    return LONG_ROPE_ROOT if seq.long_rope else None
+    """Where the sequence's prefix-cache names start: apart for K/V rotated with LongRoPE's long factors, and apart
+    per LoRA adapter (an adapter's K/V differ from the base model's and from every other adapter's)."""
+    root = LONG_ROPE_ROOT if seq.long_rope else None
+    return root if seq.params.adapter is None else adapter_root(root, seq.params.adapter)
 
 
 class BlockManager:

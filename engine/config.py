@@ -314,6 +314,10 @@ class EngineConfig:
     # blocks' K/V once together where that saves reading at least this many tokens' K/V; 0: never
     shared_prefix_min_saved_tokens: int = 2048
     kernel_backend: KernelBackendChoice = "auto"  # "auto": Triton on CUDA, torch on CPU; or "torch" / "triton" to force one
+    # LoRA adapters (engine/lora.py): device slots for adapters resident at once (the most distinct adapters one
+    # step computes; idle ones are evicted least recently used), allocated with the first registered adapter
+    max_loras: int = 4
+    max_lora_rank: int = 16  # largest adapter rank (r) accepted; every slot is sized for it
     cuda_graph_max_batch_size: int = 256  # decode steps of up to this many sequences replay CUDA graphs; 0: eager
     # Processes (one device each: GPUs device..device+N-1, or CPU processes) the model is sharded over; 1: none.
     # Budgets above (kv_cache_memory, swap_space) are per rank: each rank holds its share of the KV heads.
@@ -336,6 +340,8 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.preemption_mode not in ("recompute", "swap"):

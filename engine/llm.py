@@ -29,6 +29,11 @@ class LLM:
         self.engine = LLMEngine(model, dtype=dtype, device=device, load_format=load_format, **engine_options)
         self._next_id = 0
 
+    def add_lora(self, name: str, folder: str) -> None:
+        """Register a PEFT LoRA adapter folder as `name` (LLMEngine.add_lora); requests pick it with
+        SamplingParams(adapter=name)."""
+        self.engine.add_lora(name, folder)
+
     @property
     def tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:

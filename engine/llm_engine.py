@@ -15,6 +15,7 @@ import random
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import fields
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import SINGLE
 from engine.dtypes import on_device, resolve_device, resolve_dtype, resolve_kernel_backend
+from engine.lora import load_adapter
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.metrics import EngineStats, StepCounters
 from engine.model_runner import ModelRunner, StepResult
@@ -119,6 +121,24 @@ class LLMEngine:
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.ranks.check()
 
+    # ---- LoRA adapters --------------------------------------------------------------------
+
+    def add_lora(self, name: str, folder: str | Path) -> None:
+        """Register the PEFT LoRA adapter in `folder` as `name`, for requests to name in SamplingParams.adapter. Its
+        weights are read and checked now (ValueError naming what does not fit this model), once; they are copied
+        into one of the `max_loras` device slots when a request needs them."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with tensor parallelism yet (tensor_parallel_size > 1)")
+        if name in self.adapter_names:
+            raise ValueError(f"adapter {name!r} is already registered")
+        adapter = load_adapter(name, folder, self.model_config, self.config.max_lora_rank)
+        assert isinstance(self.runner, ModelRunner)
+        self.runner.register_adapter(adapter, self.config.max_loras, self.config.max_lora_rank)
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.runner.adapters) if isinstance(self.runner, ModelRunner) else []
+
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(
@@ -132,6 +152,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._validate_prompt(prompt_token_ids)
+        if params.adapter is not None and params.adapter not in self.adapter_names:
+            raise ValueError(f"unknown LoRA adapter {params.adapter!r}; registered: {self.adapter_names}")
         params = admit(len(prompt_token_ids), params, self.admission_limits)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):

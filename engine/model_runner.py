@@ -15,6 +15,7 @@ from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.dtypes import KernelBackend
 from engine.kv_cache import KVCaches
+from engine.lora import LoRAAdapter, LoRASlotWeights
 from engine.models.llama import LlamaForCausalLM
 from engine.prompt_logprobs import PromptLogprobs, score_prompts
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -55,6 +56,15 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set once captured, after the warm-up
         self._swap_seconds = 0.0
         self._pending_swap_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.adapters: dict[str, LoRAAdapter] = {}  # registered LoRA adapters, by name (host memory)
+        self.lora: LoRASlotWeights | None = None  # the device's adapter slots, built with the first adapter
+        self._use_triton = use_triton
+
+    def register_adapter(self, adapter: LoRAAdapter, num_slots: int, max_rank: int) -> None:
+        """Make `adapter` loadable into a slot; the first one allocates the `num_slots` slots of `max_rank`."""
+        if self.lora is None:
+            self.lora = LoRASlotWeights(self.model, num_slots, max_rank, self._use_triton)
+        self.adapters[adapter.name] = adapter
 
     @property
     def swap_seconds(self) -> float:
@@ -85,10 +95,16 @@ class ModelRunner:
         if not output.scheduled:
             return StepResult(None)
         input_ids, positions, metadata, logits_indices = self._prepare(output)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(metadata):
-            hidden = self.decode_graphs.run(input_ids, positions, metadata)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        with_adapters = self._begin_adapters(output)
+        try:
+            # A captured graph holds no adapter terms: a step with adapter rows runs eagerly.
+            if self.decode_graphs is not None and not with_adapters and self.decode_graphs.can_run(metadata):
+                hidden = self.decode_graphs.run(input_ids, positions, metadata)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         prompt_logprobs = score_prompts(self.model.compute_logits, hidden, output.scheduled, metadata.query_start_loc)
         if not any(item.needs_sample for item in output.scheduled):
             return StepResult(None, prompt_logprobs)
@@ -100,6 +116,16 @@ class ModelRunner:
             logits = logits.repeat_interleave(repeats, dim=0, output_size=sum(fanout))  # no sync for the size
         bitmask = token_bitmask.result() if token_bitmask is not None else None
         return StepResult(self.sampler(logits, rows, bitmask), prompt_logprobs)
+
+    def _begin_adapters(self, output: SchedulerOutput) -> bool:
+        """Load the adapters the scheduler placed in new slots and tell the layers each token's slot. Returns whether
+        any row of the step runs an adapter."""
+        if self.lora is None:
+            return False
+        for slot, name in output.adapter_loads:
+            self.lora.load(slot, self.adapters[name])
+        token_slots = [item.adapter_slot for item in output.scheduled for _ in range(item.num_new_tokens)]
+        return self.lora.begin_step(token_slots, self.device)
 
     @torch.inference_mode()
     def run_dummy_step(self, query_lens: Sequence[int], blocks_per_seq: int, sample_rows: Sequence[SamplingRow] = ()) -> None:

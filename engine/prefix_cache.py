@@ -4,7 +4,7 @@ later sequence that starts with the same tokens reuses them instead of recomputi
 A block's hash chains its parent's hash with its own tokens, so equal hashes mean equal prefixes,
 not just equal blocks. A block's K/V also depend on the rotary table they were computed with: a
 sequence on LongRoPE's long factors starts its chain from LONG_ROPE_ROOT, so its blocks and the short
-factors' never mix. Cached blocks whose last owner let go stay resident, in least-recently-used order,
+factors' never mix; and on the LoRA adapter they were computed with (`adapter_root`), so two adapters never share. Cached blocks whose last owner let go stay resident, in least-recently-used order,
 and are evicted only when the free pool runs dry.
 """
 
@@ -24,6 +24,13 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     (Python's 64-bit tuple hash is not collision-resistant)."""
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def adapter_root(parent: BlockHash | None, adapter: str) -> BlockHash:
+    """The parent of the first block of a sequence running LoRA adapter `adapter` (adapter names are unique per engine)."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(b"lora-adapter:" + adapter.encode())
     return digest.digest()
 
 

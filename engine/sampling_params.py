@@ -28,6 +28,9 @@ class SamplingParams:
     `prompt_logprobs` (vLLM's): the log-prob of every prompt token under the model given the tokens before it,
     with that many top alternatives each (the first token has none: nothing predicts it). They come from the
     prefill's logits, so such a request computes its whole prompt: it takes nothing from the prefix cache.
+
+    `adapter` names a LoRA adapter registered with the engine (`LLMEngine.add_lora`, like vLLM's LoRARequest): the
+    request runs on the base model plus that adapter; None: the base model alone.
     """
 
     n: int = 1
@@ -53,6 +56,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutputParams | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -43,6 +43,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.adapter_slots import AdapterSlots
 from engine.block_manager import BlockManager, BlockPairs
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
@@ -60,6 +61,7 @@ class ScheduledSequence:
     # computed position up to the prompt's last but one; empty when not asked for. With how many alternatives each.
     prompt_logprob_targets: tuple[int, ...] = ()
     prompt_top_logprobs: int = 0
+    adapter_slot: int = -1  # the device slot of its LoRA adapter (SamplingParams.adapter); -1: the base model
 
     @property
     def num_new_tokens(self) -> int:
@@ -74,6 +76,7 @@ class SchedulerOutput:
     blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block)
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block)
     blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (device block, device block)
+    adapter_loads: tuple[tuple[int, str], ...] = ()  # (slot, adapter name): LoRA weights to copy in before the step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -138,6 +141,8 @@ class Scheduler:
         self._batch_open = True  # static policy: the current batch still takes members
         self._head: Sequence | None = None  # the oldest waiting request of the top priority
         self._head_overtakes = 0  # requests admitted before it since it became the head
+        self.adapter_slots = AdapterSlots(config.max_loras)
+        self._adapter_loads: list[tuple[int, str]] = []  # this step's
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence with nothing computed (new, or to recompute)."""
@@ -171,6 +176,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._step += 1
         self._blocks_in_flight.clear()
+        self._adapter_loads = []
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
@@ -222,6 +228,7 @@ class Scheduler:
             blocks_to_swap_out=tuple(swap_out),
             blocks_to_swap_in=tuple(swap_in),
             blocks_to_copy=tuple(self.block_manager.take_copies()),
+            adapter_loads=tuple(self._adapter_loads),
         )
 
     def _make_room(
@@ -285,9 +292,13 @@ class Scheduler:
         out. Returns the budget left and whether a prompt was passed over for a prefix block this
         step computes."""
         passed_over = False
+        adapters = self._running_adapters()
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            adapter = seq.params.adapter
+            if adapter is not None and adapter not in adapters and len(adapters) >= self.adapter_slots.num_slots:
+                continue  # every slot holds an adapter with running sequences: it waits for one to go idle
             if seq.num_uncomputed_tokens == 0:
                 # A beam parked in the host pool until its siblings compute: swapping it in would
                 # only take the blocks they need (and be swapped out again). It returns once its
@@ -301,9 +312,15 @@ class Scheduler:
                 break
             if self._head is not None and seq is not self._head and seq.priority == self._head.priority:
                 self._head_overtakes += 1
+            if adapter is not None:
+                adapters.add(adapter)
             scheduled.append(self._schedule_one(seq, num_new))
             budget -= num_new
         return budget, passed_over
+
+    def _running_adapters(self) -> set[str]:
+        """The LoRA adapters of the running sequences: resident, and not to be evicted."""
+        return {seq.params.adapter for seq in self.running if seq.params.adapter is not None}
 
     def _admission_order(self) -> list[Sequence]:
         """Swapped and waiting sequences in the order admission tries them: priority first; then
@@ -398,6 +415,11 @@ class Scheduler:
         self._blocks_in_flight.update(seq.block_hashes[start // size : stop // size])
         # Position p's logits predict token p + 1: this chunk scores the prompt tokens after each of its positions.
         targets = tuple(seq.prompt_token_ids[start + 1 : stop + 1]) if seq.needs_prompt_logits else ()
+        adapter_slot = -1
+        if seq.params.adapter is not None:
+            adapter_slot, load = self.adapter_slots.slot_for(seq.params.adapter, self._running_adapters)
+            if load:
+                self._adapter_loads.append((adapter_slot, seq.params.adapter))
         return ScheduledSequence(
             seq_id=seq.seq_id,
             start_position=start,
@@ -407,6 +429,7 @@ class Scheduler:
             long_rope=seq.long_rope,
             prompt_logprob_targets=targets,
             prompt_top_logprobs=(seq.params.prompt_logprobs or 0) if targets else 0,
+            adapter_slot=adapter_slot,
         )
 
     def update(self, output: SchedulerOutput, seqs: list[Sequence], forks: list[tuple[Sequence, Sequence]],

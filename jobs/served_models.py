@@ -7,6 +7,10 @@ chunks go to (`model_queue`) and the `model` of the batches it runs. Workers ann
 re-announces its models every third of `CONVEYOR_MODEL_ANNOUNCE_TTL_SECONDS` (`Heartbeat`), so a model leaves
 `/v1/models` at most that long after the last worker serving it stopped, however it stopped. OpenAI's names reach a
 local model only through aliases an operator wrote down (`CONVEYOR_MODEL_ALIASES`), never by guessing.
+
+A worker's LoRA adapters (`CONVEYOR_LORA_ADAPTERS`) are served models of their own, named by their adapter name, whose
+`parent` is the base model's id: routed like any name (aliases included), listed with their parent. A batch runs one
+base model: its lines may name the base or any of its adapters, and each output line names what answered it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Literal
 
 from redis import Redis
@@ -41,18 +47,36 @@ def parse_names(raw: str) -> list[str]:
 def parse_aliases(raw: str) -> dict[str, str]:
     """`CONVEYOR_MODEL_ALIASES`: a JSON object {"gpt-4o-mini": "smollm2-135m-instruct"} or `alias=served` pairs
     separated by commas."""
+    return parse_pairs(raw, "CONVEYOR_MODEL_ALIASES", "alias=served")
+
+
+def parse_pairs(raw: str, setting: str, shape: str) -> dict[str, str]:
+    """A name -> value setting: a JSON object of strings, or `name=value` pairs (`shape` names them in errors)
+    separated by commas."""
     text = raw.strip()
     if not text:
         return {}
     if text.startswith("{"):
-        aliases = json.loads(text)
-        if not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
-            raise ValueError("CONVEYOR_MODEL_ALIASES as JSON must map names to names")
-        return aliases
-    pairs = [pair.split("=", 1) for pair in parse_names(text)]
-    if any(len(pair) != 2 or not pair[0].strip() or not pair[1].strip() for pair in pairs):
-        raise ValueError(f"CONVEYOR_MODEL_ALIASES must be 'alias=served,...' pairs or a JSON object, got {raw!r}")
-    return {alias.strip(): served.strip() for alias, served in pairs}
+        pairs = json.loads(text)
+        if not (isinstance(pairs, dict) and all(isinstance(v, str) for v in pairs.values())):
+            raise ValueError(f"{setting} as JSON must map names to strings")
+        return pairs
+    split = [pair.split("=", 1) for pair in parse_names(text)]
+    if any(len(pair) != 2 or not pair[0].strip() or not pair[1].strip() for pair in split):
+        raise ValueError(f"{setting} must be '{shape},...' pairs or a JSON object, got {raw!r}")
+    return {name.strip(): value.strip() for name, value in split}
+
+
+def parse_lora_adapters(raw: str) -> dict[str, str]:
+    """`CONVEYOR_LORA_ADAPTERS`: `name=folder` pairs (or a JSON object), or one directory whose every subfolder holding
+    an adapter_config.json is an adapter named by the subfolder."""
+    text = raw.strip()
+    if text and "=" not in text and not text.startswith("{"):
+        directory = Path(text)
+        if not directory.is_dir():
+            raise ValueError(f"CONVEYOR_LORA_ADAPTERS names no directory and no 'name=folder' pairs: {raw!r}")
+        return {sub.name: str(sub) for sub in sorted(directory.iterdir()) if (sub / "adapter_config.json").is_file()}
+    return parse_pairs(text, "CONVEYOR_LORA_ADAPTERS", "name=folder")
 
 
 @dataclass(frozen=True)
@@ -63,6 +87,7 @@ class ServedModel:
     names: tuple[str, ...]
     kind: ModelKind
     created: int  # unix seconds the first worker serving it announced it
+    parent: str | None = None  # a LoRA adapter's base model id; None: a base model
 
 
 class ModelNames:
@@ -70,12 +95,21 @@ class ModelNames:
 
     def __init__(self, served: list[ServedModel], aliases: dict[str, str]) -> None:
         self._models = {name: model for model in served for name in model.names}
+        self._parents = {model.id: model.parent for model in served if model.parent is not None}
         self._aliases = aliases
 
     def resolve(self, name: str, kind: ModelKind) -> str | None:
         """The id of the `kind` model `name` means, or None when no such model is served."""
         model = self._models.get(self._aliases.get(name, name))
         return model.id if model is not None and model.kind == kind else None
+
+    def base_of(self, model_id: str) -> str:
+        """The base model a served id runs on: an adapter's parent, a base model itself."""
+        return self._parents.get(model_id, model_id)
+
+    def adapter(self, model_id: str) -> str | None:
+        """The LoRA adapter (the engine's name for it) a served id runs; None for a base model."""
+        return model_id if model_id in self._parents else None
 
 
 def listed_names(served: list[ServedModel], aliases: dict[str, str]) -> dict[str, ServedModel]:
@@ -123,7 +157,9 @@ class ModelRegistry:
                 expired.append(model_id)
                 continue
             fields = json.loads(raw)
-            models.append(ServedModel(fields["id"], tuple(fields["names"]), fields["kind"], fields["created"]))
+            models.append(
+                ServedModel(fields["id"], tuple(fields["names"]), fields["kind"], fields["created"], fields.get("parent"))
+            )
         if expired:
             self._forget(expired)
         return models
@@ -175,11 +211,14 @@ class Heartbeat:
                 log.warning("cannot re-announce the served models: %s", unreachable)
 
 
-def process_models(generation_names: list[str], embedding_model: str) -> list[ServedModel]:
-    """What one process serves: its generation model under its names, and its embedding model."""
+def process_models(generation_names: list[str], embedding_model: str, adapters: Sequence[str] = ()) -> list[ServedModel]:
+    """What one process serves: its generation model under its names, its LoRA adapters (by name, their parent the
+    generation model), and its embedding model."""
     created = int(time.time())
+    base = generation_names[0]
     return [
-        ServedModel(generation_names[0], tuple(generation_names), "generation", created),
+        ServedModel(base, tuple(generation_names), "generation", created),
+        *(ServedModel(adapter, (adapter,), "generation", created, parent=base) for adapter in adapters),
         ServedModel(embedding_model, (embedding_model,), "embedding", created),
     ]
 
@@ -208,7 +247,8 @@ class WorkerModels:
         if first_line_model is None:
             return self.default(kind)
         deployment = ModelNames([*self.served, *self.registry.served()], self.aliases)
-        return deployment.resolve(first_line_model, kind) or first_line_model
+        served = deployment.resolve(first_line_model, kind)
+        return deployment.base_of(served) if served is not None else first_line_model
 
     def served_elsewhere(self, model_id: str) -> bool:
         """Whether another worker must read this model's batches: it serves the model and this one does not."""

@@ -93,6 +93,12 @@ class Settings(BaseSettings):
         description="comma-separated names the worker's model answers to in a line's `model`; the first is its id "
         "(its queue, the `model` of the batches it runs); empty: the model's own name, e.g. `smollm2-135m-instruct`",
     )
+    lora_adapters: str = Field(
+        "",
+        description="LoRA adapters the worker serves on its model: `name=folder,...` (PEFT folders), a JSON object, or "
+        "a directory whose subfolders are adapters named by the subfolder; each a served model named `name` "
+        "(routable, aliasable, listed with its `parent`), loaded once at start",
+    )
     model_announce_ttl_seconds: float = Field(
         DEFAULT_ANNOUNCE_TTL_SECONDS,
         gt=0,

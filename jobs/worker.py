@@ -38,7 +38,9 @@ from jobs.run.generation import GenerationKind
 from jobs.run.kinds import EngineHandle, JobKind
 from jobs.run.memory import cap_malloc_arenas
 from jobs.run.pipeline import Pipeline
-from jobs.served_models import UNROUTED_QUEUE, ModelRegistry, WorkerModels, parse_aliases, parse_names, process_models
+from jobs.served_models import (
+    UNROUTED_QUEUE, ModelRegistry, WorkerModels, parse_aliases, parse_lora_adapters, parse_names, process_models,
+)
 from jobs.settings import Settings
 from jobs.stop_flags import StopFlags
 from jobs.storage import ObjectStore
@@ -58,10 +60,15 @@ def build_engine(settings: Settings) -> EngineLoop:
     # Only found, not loaded (see LazyEmbedder): a misnamed embedding model fails the worker now, not a batch later.
     resolve_embedding_model(settings.embedding_model)
     log.info("loading model %s", settings.model)
-    loop = EngineLoop.build(
-        lambda: LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options),
-        on_failure=stop_this_worker,
-    )
+    adapters = parse_lora_adapters(settings.lora_adapters)
+
+    def engine_with_adapters() -> LLMEngine:
+        engine = LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options)
+        for name, folder in adapters.items():
+            engine.add_lora(name, folder)
+        return engine
+
+    loop = EngineLoop.build(engine_with_adapters, on_failure=stop_this_worker)
     engine = loop.engine
     if engine.tokenizer is None:
         loop.stop()
@@ -76,7 +83,7 @@ def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
     store.ensure_bucket()
     redis = Redis.from_url(settings.redis_url)
     stop_flags = StopFlags(redis, settings.redis_prefix)
-    models = worker_models(settings, engine.model_name, redis)
+    models = worker_models(settings, engine.model_name, engine.adapter_names, redis)
     engine_handle = EngineHandle(
         loop=loop,
         tokenizer=engine.tokenizer,
@@ -113,10 +120,10 @@ def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
     )
 
 
-def worker_models(settings: Settings, engine_model_name: str, redis: Redis) -> WorkerModels:
+def worker_models(settings: Settings, engine_model_name: str, engine_adapters: list[str], redis: Redis) -> WorkerModels:
     names = parse_names(settings.served_model_names) or [engine_model_name]
     return WorkerModels(
-        process_models(names, settings.embedding_model),
+        process_models(names, settings.embedding_model, list(engine_adapters)),
         ModelRegistry(redis, settings.redis_prefix, settings.model_announce_ttl_seconds),
         parse_aliases(settings.model_aliases),
     )

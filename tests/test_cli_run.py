@@ -239,3 +239,54 @@ def test_run_answers_responses_lines_with_objects_the_sdk_parses(
     assert by_id["resp-stored"]["error"]["code"] == "invalid_body"
     assert ChatCompletion.model_validate(by_id["chat-alias"]["response"]["body"]).choices[0].message.content
     assert by_id["chat-unknown-model"]["error"]["code"] == "model_not_found"
+
+
+def test_run_serves_lora_adapters_beside_the_base_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], smollm2_folder: Path
+) -> None:
+    """Lines of the base model and of two adapters (one through an `ft:`-style alias) in one file: each answered by
+    what it names, and greedy output of an adapter line differs from the base's; an unknown adapter is
+    model_not_found, not the base model."""
+    import peft
+    import torch
+    import transformers
+
+    for name, seed in (("tone", 0), ("extract", 1)):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        peft.get_peft_model(model, config).save_pretrained(tmp_path / name)
+    chat = "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6, "temperature": 0}
+    lines = [
+        request_line("base", chat, body),
+        request_line("tone", chat, {**body, "model": "tone"}),
+        request_line("aliased", chat, {**body, "model": "ft:smollm2:acme::extract"}),
+        request_line("unknown", chat, {**body, "model": "no-such-adapter"}),
+    ]
+    source, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+
+    exit_code = main([
+        "run", "-i", str(source), "-o", str(results), "--lora-adapter", f"tone={tmp_path / 'tone'}",
+        "--lora-adapter", f"extract={tmp_path / 'extract'}", "--model-alias", "ft:smollm2:acme::extract=extract",
+        "--dtype", "float32",
+    ])
+
+    assert exit_code == 0
+    by_id = {record["custom_id"]: record for record in map(json.loads, results.read_text().splitlines())}
+    models = {custom_id: by_id[custom_id]["response"]["body"]["model"] for custom_id in ("base", "tone", "aliased")}
+    assert models == {"base": "smollm2-135m-instruct", "tone": "tone", "aliased": "extract"}
+    texts = {custom_id: by_id[custom_id]["response"]["body"]["choices"][0]["message"]["content"] for custom_id in models}
+    assert texts["tone"] != texts["base"] and texts["aliased"] != texts["base"]
+    assert by_id["unknown"]["error"]["code"] == "model_not_found"
+
+
+def test_run_refuses_a_bad_adapter_before_reading_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "requests.jsonl"
+    source.write_text(request_line("a", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}) + "\n")
+    (tmp_path / "not-an-adapter").mkdir()
+    exit_code = main(["run", "-i", str(source), "-o", str(tmp_path / "out.jsonl"),
+                      "--lora-adapter", f"x={tmp_path / 'not-an-adapter'}"])
+    assert exit_code != 0
+    assert "not a PEFT LoRA adapter folder" in capsys.readouterr().err

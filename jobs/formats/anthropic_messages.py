@@ -267,7 +267,7 @@ class AnthropicMessages:
 
     def read(self, custom_id: str, body: dict[str, Any], line: LineReader) -> BatchRequest:
         params = parse_body(MessagesBody, body)
-        line.check_model(params.model, "generation")
+        adapter = line.check_model(params.model, "generation")
         tools = [tool.as_chat_tool() for tool in params.tools] if params.tools else None
         choice = params.tool_choice
         plan, constraint = line.with_tools(
@@ -278,6 +278,7 @@ class AnthropicMessages:
         )
         prompt = line.encode_chat(params.chat_messages(), tools if plan is not None else None)
         generation = Generation(
+            adapter=adapter,
             prompts=[prompt.token_ids],
             requested_max_tokens=params.max_tokens,
             default_max_tokens=None,

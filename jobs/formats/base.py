@@ -51,6 +51,7 @@ class Generation:
     tool_calls: ToolCallPlan | None = None
     context: object = None  # what the format's answer needs of its request (`BatchRequest.context`)
     reasoning: ReasoningPlan | None = None  # a chat prompt's (`ChatPrompt.reasoning`): constraints wait for the answer
+    adapter: str | None = None  # the LoRA adapter the line's `model` names (`LineReader.check_model`); None: the base
 
 
 class LineReader(Protocol):
@@ -59,7 +60,7 @@ class LineReader(Protocol):
     @property
     def tokenizer(self) -> PromptTokenizer: ...
 
-    def check_model(self, name: str | None, kind: ModelKind) -> None: ...
+    def check_model(self, name: str | None, kind: ModelKind) -> str | None: ...  # the LoRA adapter it names, or None
 
     def with_tools(
         self,

@@ -43,10 +43,11 @@ class ChatCompletions:
 
     def read(self, custom_id: str, body: dict[str, Any], line: LineReader) -> BatchRequest:
         chat = parse_body(ChatCompletionBody, body)
-        line.check_model(chat.model, "generation")
+        adapter = line.check_model(chat.model, "generation")
         plan, constraint = line.with_tools(chat.constraint(), chat.tools, chat.tool_choice, chat.parallel_tool_calls)
         prompt = line.encode_chat(chat.messages, chat.tools if plan is not None else None, chat.chat_template_kwargs)
         generation = Generation(
+            adapter=adapter,
             prompts=[prompt.token_ids],
             requested_max_tokens=chat.max_tokens if chat.max_completion_tokens is None else chat.max_completion_tokens,
             default_max_tokens=None,

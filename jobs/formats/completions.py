@@ -42,8 +42,9 @@ class Completions:
 
     def read(self, custom_id: str, body: dict[str, Any], line: LineReader) -> BatchRequest:
         completion = parse_body(CompletionBody, body)
-        line.check_model(completion.model, "generation")
+        adapter = line.check_model(completion.model, "generation")
         generation = Generation(
+            adapter=adapter,
             prompts=[line.encode_prompt(prompt) for prompt in completion.prompt],
             requested_max_tokens=completion.max_tokens,
             default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,

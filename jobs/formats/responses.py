@@ -19,7 +19,7 @@ class Responses:
 
     def read(self, custom_id: str, body: dict[str, Any], line: LineReader) -> BatchRequest:
         responses = parse_body(ResponsesBody, body)
-        line.check_model(responses.model, "generation")
+        adapter = line.check_model(responses.model, "generation")
         tools = responses.chat_tools()
         plan, constraint = line.with_tools(
             responses.constraint(),
@@ -29,6 +29,7 @@ class Responses:
         )
         prompt = line.encode_chat(responses.messages(), tools if plan is not None else None)
         generation = Generation(
+            adapter=adapter,
             prompts=[prompt.token_ids],
             requested_max_tokens=responses.max_output_tokens,
             default_max_tokens=None,

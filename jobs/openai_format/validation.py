@@ -164,6 +164,7 @@ class BatchLineValidator:
                 prompt_logprobs=generation.prompt_logprobs,
                 structured_output=constraint,
                 logit_bias=bias,
+                adapter=generation.adapter,
             )
         except ValueError as invalid:
             raise LineRejected("invalid_parameter", str(invalid)) from None
@@ -193,20 +194,23 @@ class BatchLineValidator:
             )
         return plan, constraint or tool_constraint
 
-    def check_model(self, name: str | None, kind: ModelKind) -> None:
+    def check_model(self, name: str | None, kind: ModelKind) -> str | None:
+        """Rejects a `model` no one serves, or of another base model than the batch's; returns the LoRA adapter it
+        names (None: the base model)."""
         if name is None:
-            return
+            return None
         served = self._models.resolve(name, kind)
         if served is None:
             raise LineRejected(
                 "model_not_found", f"The model {name!r} does not exist or is not served by this deployment"
             )
-        if self._batch_model is not None and served != self._batch_model:
+        if self._batch_model is not None and self._models.base_of(served) != self._batch_model:
             raise LineRejected(
                 "model_not_found",
                 f"The model {name!r} is not this batch's: a batch runs one model, {self._batch_model!r} "
-                "(the model its first line names)",
+                "(the model its first line names) or its adapters",
             )
+        return self._models.adapter(served)
 
     def _logit_bias(self, logit_bias: dict[str, float] | None) -> dict[int, float]:
         if not logit_bias:

@@ -85,7 +85,8 @@ class GenerationKind(OpenAILinesKind):
             except Exception as failed:  # a step that failed blamed this request (engine/admission.StepFailed)
                 records.append(error_record(LineError(request.custom_id, "generation_failed", str(failed))))
                 continue
-            records.append(response_record(request, results, model=model, tokenizer=self.engine.tokenizer))
+            answered_by = request.sampling_params.adapter or model  # a LoRA adapter's line names the adapter
+            records.append(response_record(request, results, model=answered_by, tokenizer=self.engine.tokenizer))
         return records
 
     def _await_or_abort(self, batch_id: str, handles: list[RequestHandle]) -> tuple[StopReason | None, set[str]]:

@@ -10,7 +10,9 @@ import pytest
 from redis import Redis
 
 from jobs.openai_format.validation import BatchLineValidator
-from jobs.served_models import ModelNames, ModelRegistry, WorkerModels, listed_names, parse_aliases, process_models
+from jobs.served_models import (
+    ModelNames, ModelRegistry, WorkerModels, listed_names, parse_aliases, parse_lora_adapters, process_models,
+)
 from tests.jobs.test_openai_format import SERVED, WordTokenizer, chat_line, validator
 
 
@@ -20,6 +22,33 @@ def test_aliases_read_as_pairs_or_json_and_refuse_anything_else() -> None:
     assert parse_aliases('{"gpt-4o-mini": "smollm2"}') == {"gpt-4o-mini": "smollm2"}
     with pytest.raises(ValueError, match="alias=served"):
         parse_aliases("gpt-4o-mini")
+
+
+def test_lora_adapters_read_as_pairs_json_or_a_directory(tmp_path) -> None:
+    assert parse_lora_adapters("") == {}
+    assert parse_lora_adapters("tone=/a/tone, extract=/a/extract") == {"tone": "/a/tone", "extract": "/a/extract"}
+    for name in ("tone", "extract"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    (tmp_path / "notes").mkdir()  # no adapter_config.json: not an adapter
+    assert parse_lora_adapters(str(tmp_path)) == {"extract": str(tmp_path / "extract"), "tone": str(tmp_path / "tone")}
+    with pytest.raises(ValueError, match="names no directory"):
+        parse_lora_adapters(str(tmp_path / "absent"))
+
+
+def test_adapter_lines_run_on_their_base_model_and_name_their_adapter() -> None:
+    """An adapter is a served model whose parent is the base: a batch of the base takes its lines (the adapter goes
+    into the line's sampling parameters), a batch whose first line names it runs the base, another base's adapter
+    is not this batch's."""
+    models = ModelNames(process_models(["a"], "e", ["tone"]) + process_models(["b"], "e", ["other"]), {"ft:x": "tone"})
+    lines = BatchLineValidator(WordTokenizer(), 64, models=models, batch_model="a")
+    assert lines.validate(chat_line("1", model="tone")).sampling_params.adapter == "tone"  # type: ignore[union-attr]
+    assert lines.validate(chat_line("2", model="ft:x")).sampling_params.adapter == "tone"  # type: ignore[union-attr]
+    assert lines.validate(chat_line("3", model="a")).sampling_params.adapter is None  # type: ignore[union-attr]
+    error = lines.validate(chat_line("4", model="other"))
+    assert error.code == "model_not_found"  # type: ignore[union-attr]
+    assert models.base_of("tone") == "a" and models.base_of("a") == "a"
+    assert listed_names(process_models(["a"], "e", ["tone"]), {})["tone"].parent == "a"
 
 
 def test_names_resolve_by_kind_through_aliases_only() -> None:
