@@ -46,7 +46,7 @@ from jobs.run.generation import GenerationKind
 from jobs.run.kinds import EngineHandle
 from jobs.run.memory import cap_malloc_arenas, return_freed_memory
 from jobs.served_models import ModelNames, process_models
-from jobs.settings import S3Settings
+from jobs.settings import S3Settings, Settings
 from jobs.stop_flags import StopFlags
 from jobs.storage import ObjectStore
 
@@ -106,7 +106,11 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, list[float]
         admission_limits=engine.admission_limits,
     )
     kind = GenerationKind(
-        handle, ObjectStore(S3Settings()), StopFlags(redis, f"bench-memory-{secrets.token_hex(4)}:"), args.chunk_size
+        handle,
+        ObjectStore(S3Settings()),
+        StopFlags(redis, f"bench-memory-{secrets.token_hex(4)}:"),
+        args.chunk_size,
+        limits=Settings().batch_limits(),
     )
 
     def run_batch(number: int, lines: list[bytes]) -> None:

@@ -87,7 +87,9 @@ def validated(sessions: SessionFactory, object_store: ObjectStore, smollm2_folde
         ModelNames(served, {}),
         limits,
     )
-    kind = AlwaysFailingKind(handle, object_store, StopFlags(redis, settings.redis_prefix), per_chunk=2)
+    kind = AlwaysFailingKind(
+        handle, object_store, StopFlags(redis, settings.redis_prefix), per_chunk=2, limits=settings.batch_limits()
+    )
 
     data = b"".join(request_line(custom_id) + b"\n" for custom_id in CUSTOM_IDS)
     with sessions.begin() as session:
