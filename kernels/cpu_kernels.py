@@ -55,7 +55,7 @@ def load_cpu_kernels() -> ModuleType | None:
 
     try:
         return cpp_extension.load(
-            name=f"conveyor_cpu_kernels_{_build_digest()}",
+            name=f"conveyor_cpu_kernels_{build_digest(_SOURCE)}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
@@ -65,14 +65,16 @@ def load_cpu_kernels() -> ModuleType | None:
         return None
 
 
-def _build_digest() -> str:
+def build_digest(*sources: Path) -> str:
     """Names the build after what it depends on. The source: checkouts of different versions on one machine (a CI
     clone beside a working tree) neither load nor rebuild one another's. The checkout's path: torch's build file
     records the source's absolute path, so two checkouts of one version sharing a build would rebuild it in turn.
     The CPU: `-march=native` code from another CPU (a home directory moved between an AMX and an AVX-512 machine)
     could stop on an illegal instruction."""
-    digest = hashlib.sha256(_SOURCE.read_bytes())
-    digest.update(str(_SOURCE.resolve()).encode())
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+        digest.update(str(source.resolve()).encode())
     digest.update(_cpu_identity().encode())
     return digest.hexdigest()[:12]
 
