@@ -86,3 +86,19 @@ def gguf_dequantize_reference(weight: torch.Tensor, name: str) -> torch.Tensor:
 def matmul_reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
     """The oracle of `matmul`: float32 matmul of the dequantized weight."""
     return x.float() @ dequantized.T
+
+
+# Above this many tokens a step dequantizes the weight and runs torch's matmul instead (prefill): the on-the-fly
+# kernel wins by reading fewer bytes, which matters while few tokens share each weight read.
+DEQUANTIZE_ABOVE_TOKENS = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, columns: int) -> torch.Tensor:
+    """x [..., columns] @ dequantize(weight).T in x's dtype, for a layer: the on-the-fly kernel for decode-size
+    steps, dequantize-then-matmul (torch's, in x's dtype) for large ones."""
+    tokens = x.reshape(-1, columns)
+    if tokens.shape[0] > DEQUANTIZE_ABOVE_TOKENS:
+        out = torch.nn.functional.linear(tokens, dequantize(weight, format_id, group, columns).to(x.dtype))
+    else:
+        out = matmul(tokens.float().contiguous(), weight, format_id, group).to(x.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
