@@ -7,10 +7,10 @@ model is listed once a worker serving it has started.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from api.auth import ProjectDep
 from jobs.errors import ServiceError
@@ -25,10 +25,13 @@ class ModelObject(BaseModel):
     object: Literal["model"] = "model"
     created: int  # unix seconds the deployment started serving it
     owned_by: str
+    # conveyor's addition: how the model runs; {"quantization": {"method": "int8", "bits": 8, "group_size": 64}}
+    # (GGUF: "method": "gguf" and its "tensor_types") when quantized, else {}
+    metadata: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str, model: ServedModel) -> ModelObject:
-        return cls(id=name, created=model.created, owned_by=OWNED_BY)
+        return cls(id=name, created=model.created, owned_by=OWNED_BY, metadata=model.metadata)
 
 
 class ModelList(BaseModel):

@@ -66,6 +66,12 @@ def _add_run_command(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
         metavar="N",
         help="shard the model over N processes (GPUs 0..N-1 with --device cuda, or N CPU processes); default 1",
     )
+    run.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        help="weight-only quantization of an unquantized checkpoint at load (CPU): symmetric groups of 64 input "
+        "features, one float32 scale each; default: none (a GGUF file's own blocks run as they are)",
+    )
     run.set_defaults(handler=_run)
 
 
@@ -99,6 +105,7 @@ def _run(args: argparse.Namespace) -> int:
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("kv_cache_memory", args.kv_cache_memory),
             ("tensor_parallel_size", args.tensor_parallel_size),
+            ("quantization", args.quantization),
         )
         if value is not None
     }

@@ -14,31 +14,14 @@ that can be sliced before they are read (safetensors slices): a rank reads its p
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoint import CheckpointTensor, full_shape, read_whole
 from engine.distributed import TensorParallelGroup, current_group
 from engine.quantization import current_linear_method
 from engine.quantization.unquantized import UnquantizedLinearMethod, dense_linear, prepack
-
-class CheckpointTensor(Protocol):
-    """A tensor of a checkpoint that is read only where indexed: a safetensors slice, or a torch.Tensor."""
-
-    def __getitem__(self, index: object) -> torch.Tensor: ...
-
-
-def full_shape(tensor: CheckpointTensor) -> tuple[int, ...]:
-    if isinstance(tensor, torch.Tensor):
-        return tuple(tensor.shape)
-    return tuple(tensor.get_shape())  # type: ignore[attr-defined]
-
-
-def read_whole(tensor: CheckpointTensor) -> torch.Tensor:
-    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
-
 
 # Which piece of a parameter one checkpoint tensor fills, for the sharded layer that places this rank's slice of it:
 # the index of a fused projection's part (q, k, v; gate, up), or of stacked experts (expert, part: gate 0, up 1,

@@ -15,8 +15,8 @@ import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 from redis import Redis
 from redis.exceptions import RedisError, WatchError
@@ -63,6 +63,8 @@ class ServedModel:
     names: tuple[str, ...]
     kind: ModelKind
     created: int  # unix seconds the first worker serving it announced it
+    # How it runs, for /v1/models' `metadata`: {"quantization": {"method", "bits", "group_size", ...}} when quantized
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class ModelNames:
@@ -123,7 +125,9 @@ class ModelRegistry:
                 expired.append(model_id)
                 continue
             fields = json.loads(raw)
-            models.append(ServedModel(fields["id"], tuple(fields["names"]), fields["kind"], fields["created"]))
+            models.append(ServedModel(
+                fields["id"], tuple(fields["names"]), fields["kind"], fields["created"], fields.get("metadata", {})
+            ))
         if expired:
             self._forget(expired)
         return models
@@ -175,11 +179,14 @@ class Heartbeat:
                 log.warning("cannot re-announce the served models: %s", unreachable)
 
 
-def process_models(generation_names: list[str], embedding_model: str) -> list[ServedModel]:
-    """What one process serves: its generation model under its names, and its embedding model."""
+def process_models(
+    generation_names: list[str], embedding_model: str, generation_metadata: dict[str, Any] | None = None
+) -> list[ServedModel]:
+    """What one process serves: its generation model under its names (with `generation_metadata`: how it runs),
+    and its embedding model."""
     created = int(time.time())
     return [
-        ServedModel(generation_names[0], tuple(generation_names), "generation", created),
+        ServedModel(generation_names[0], tuple(generation_names), "generation", created, generation_metadata or {}),
         ServedModel(embedding_model, (embedding_model,), "embedding", created),
     ]
 

@@ -1,7 +1,7 @@
 """Quantization methods: how a projection's weights are created, loaded and multiplied (vLLM's split of a
 QuantizationConfig, which picks a method per layer, from the LinearMethod that owns the layer's weights).
 
-A `QuantizableLinear` (engine/parallel_layers.py) asks the method of the model being built for everything about its
+A `QuantizableLinear` (engine/parallel_layers.py; `layer` below) asks the method of the model being built for everything about its
 weight: `create_weights` makes its parameters, `load_weight` puts a checkpoint tensor's rows of one part (q, k or v;
 gate or up) in place, `process_weights_after_loading` turns what was loaded into the layout the matmul reads (a
 oneDNN-packed bf16 copy, int8 groups...), and `apply` is the matmul. One method per module:
@@ -18,33 +18,32 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
+from torch import nn
 
+from engine.checkpoint import CheckpointTensor
 from engine.config import QuantizationConfig
-
-if TYPE_CHECKING:
-    from engine.parallel_layers import CheckpointTensor, QuantizableLinear
 
 
 class LinearMethod(Protocol):
-    def create_weights(self, layer: QuantizableLinear) -> None:
+    def create_weights(self, layer: nn.Module) -> None:
         """Register the layer's weight parameter(s) for its [out_features, in_features] matrix."""
         ...
 
     def load_weight(
-        self, layer: QuantizableLinear, tensor: CheckpointTensor, index: tuple[slice, ...], rows: slice, part: int
+        self, layer: nn.Module, tensor: CheckpointTensor, index: tuple[slice, ...], rows: slice, part: int
     ) -> int:
         """Put `tensor[index]` (this rank's piece of one checkpoint tensor) into output rows `rows` of the layer,
         as part `part` of a fused projection. Returns the weight elements it stands for."""
         ...
 
-    def process_weights_after_loading(self, layer: QuantizableLinear, pack_for_cpu: bool) -> None:
+    def process_weights_after_loading(self, layer: nn.Module, pack_for_cpu: bool) -> None:
         """Turn the loaded weights into what `apply` reads; `pack_for_cpu`: bf16 on a CPU with fast bf16."""
         ...
 
-    def apply(self, layer: QuantizableLinear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] @ weight.T (+ bias) -> [T, out_features] in x's dtype."""
         ...
 

@@ -10,17 +10,14 @@ attn_v beside Q4_K q and k) keep one piece per type, run one after the other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoint import CheckpointTensor, full_shape
 from kernels import quantized_matmul
 from kernels.quantized_matmul import GGUF_FORMATS
-
-if TYPE_CHECKING:
-    from engine.parallel_layers import CheckpointTensor, QuantizableLinear
 
 # The quantized GGUF types kept as blocks; the float types (F32, F16, BF16) are read as float tensors.
 SUPPORTED_TYPES: tuple[str, ...] = tuple(GGUF_FORMATS)
@@ -45,8 +42,6 @@ class GGUFTensor:
     type_name: str
 
     def get_shape(self) -> list[int]:
-        from engine.parallel_layers import full_shape
-
         *outer, row_bytes = full_shape(self.raw)
         _, values, block_bytes = GGUF_FORMATS[self.type_name]
         return [*outer, row_bytes // block_bytes * values]
@@ -87,7 +82,7 @@ class _Piece:
 
 
 class GGUFLinearMethod:
-    def create_weights(self, layer: QuantizableLinear) -> None:
+    def create_weights(self, layer: nn.Module) -> None:
         # A placeholder with the matrix's shape and no memory, so that loading can be checked for completeness;
         # the pieces loaded replace it.
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, device="meta"), requires_grad=False)
@@ -95,7 +90,7 @@ class GGUFLinearMethod:
         layer.gguf_loaded = {}  # first output row -> (type name or None for float, tensor)
 
     def load_weight(
-        self, layer: QuantizableLinear, tensor: CheckpointTensor, index: tuple[slice, ...], rows: slice, part: int
+        self, layer: nn.Module, tensor: CheckpointTensor, index: tuple[slice, ...], rows: slice, part: int
     ) -> int:
         if isinstance(tensor, GGUFTensor):
             layer.gguf_loaded[rows.start] = (tensor.type_name, tensor.blocks(index).contiguous())
@@ -103,7 +98,7 @@ class GGUFLinearMethod:
             layer.gguf_loaded[rows.start] = (None, tensor[index].to(layer.dtype).contiguous())
         return (rows.stop - rows.start) * layer.in_features
 
-    def process_weights_after_loading(self, layer: QuantizableLinear, pack_for_cpu: bool) -> None:
+    def process_weights_after_loading(self, layer: nn.Module, pack_for_cpu: bool) -> None:
         quantized_matmul.load_quantized_kernels()  # a failed build fails the load, not the first step
         del layer.weight
         pieces: list[tuple[str | None, torch.Tensor]] = []
@@ -117,7 +112,7 @@ class GGUFLinearMethod:
             _Piece(None if type_name is None else GGUF_FORMATS[type_name][0], weight) for type_name, weight in pieces
         ]
 
-    def apply(self, layer: QuantizableLinear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         outputs = [
             F.linear(x, piece.weight) if piece.format_id is None
             else quantized_matmul.linear(x, piece.weight, piece.format_id, 0, layer.in_features)

@@ -4,14 +4,11 @@ where reading the weights is the cost: 26 -> 17 ms for the 30 layers of SmolLM2 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from engine.parallel_layers import CheckpointTensor, QuantizableLinear
+from engine.checkpoint import CheckpointTensor
 
 # A batch-size hint for oneDNN's weight layout; packed weights serve any number of tokens.
 PACK_FOR_TOKENS = 64
@@ -30,20 +27,20 @@ def dense_linear(
 
 
 class UnquantizedLinearMethod:
-    def create_weights(self, layer: QuantizableLinear) -> None:
+    def create_weights(self, layer: nn.Module) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
         layer.packed_weight = None
 
     def load_weight(
-        self, layer: QuantizableLinear, tensor: CheckpointTensor, index: tuple[slice, ...], rows: slice, part: int
+        self, layer: nn.Module, tensor: CheckpointTensor, index: tuple[slice, ...], rows: slice, part: int
     ) -> int:
         destination = layer.weight[rows]
         destination.copy_(tensor[index])
         return destination.numel()
 
-    def process_weights_after_loading(self, layer: QuantizableLinear, pack_for_cpu: bool) -> None:
+    def process_weights_after_loading(self, layer: nn.Module, pack_for_cpu: bool) -> None:
         if pack_for_cpu:
             layer.packed_weight = prepack(layer.weight)
 
-    def apply(self, layer: QuantizableLinear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, layer.weight, layer.packed_weight, layer.bias)

@@ -11,15 +11,12 @@ and quantized once all are in, so loading peaks at the unquantized model's memor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from engine.quantization.unquantized import UnquantizedLinearMethod
 from kernels import quantized_matmul
 
-if TYPE_CHECKING:
-    from engine.parallel_layers import QuantizableLinear
 
 _LARGEST = {8: 127, 4: 7}
 
@@ -61,7 +58,7 @@ class WeightOnlyLinearMethod(UnquantizedLinearMethod):
         self.group_size = group_size
         self.format_id = quantized_matmul.INT8 if bits == 8 else quantized_matmul.INT4
 
-    def create_weights(self, layer: QuantizableLinear) -> None:
+    def create_weights(self, layer: nn.Module) -> None:
         if layer.in_features % self.group_size:
             raise ValueError(
                 f"int{self.bits} quantization_group_size {self.group_size} does not divide a projection's "
@@ -69,11 +66,11 @@ class WeightOnlyLinearMethod(UnquantizedLinearMethod):
             )
         super().create_weights(layer)
 
-    def process_weights_after_loading(self, layer: QuantizableLinear, pack_for_cpu: bool) -> None:
+    def process_weights_after_loading(self, layer: nn.Module, pack_for_cpu: bool) -> None:
         quantized_matmul.load_quantized_kernels()  # a failed build fails the load, not the first step
         layer.qweight = quantize_rows(layer.weight.detach(), self.bits, self.group_size)
         del layer.weight
 
-    def apply(self, layer: QuantizableLinear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = quantized_matmul.linear(x, layer.qweight, self.format_id, self.group_size, layer.in_features)
         return y if layer.bias is None else y + layer.bias
