@@ -7,7 +7,8 @@ Rows, all the bundled SmolLM2-135M (or `--gguf FILE`):
 - int8 / int4: that folder with `quantization="int8" / "int4"` (weight-only, groups of 64, at load);
 - gguf <types>: the file's blocks as they are (SmolLM2's: Q4_1 matrices, a Q8_0 embedding), and the same model
   requantized to Q8_0 by gguf-py (what importing a Q8_0 file of it gives).
-Activations are bf16 in every row. Weight bytes: the projections' matrices as held (blocks and scales for the
+Activations are bf16 in every row. A second table states int8's and int4's error against the unquantized model
+(float32, greedy). Weight bytes: the projections' matrices as held (blocks and scales for the
 quantized rows; one copy for bf16, whose oneDNN-packed copy beside it is not counted) plus the embedding.
 
     python -m bench.quantized --num-requests 32 --prompt-len 16 64 --output-len 64 128
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from bench.common import markdown_table, ratio, run_cli
 from bench.report import describe_machine
 from bench.throughput import BenchResult, make_workload, run_conveyor
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.parallel_layers import QuantizableLinear
 from engine.quantization.gguf import GGUFTensor
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice, the core count)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--error-tokens", type=int, default=32, help="greedy tokens per prompt of the error table")
 
 
 def _float_folder(converted: Path, out: Path) -> Path:
@@ -98,6 +100,34 @@ def weight_bytes(llm: LLM) -> int:
     return total
 
 
+def error_table(float_folder: Path, requests: list, tokens: int) -> str:
+    """int8 / int4 against the unquantized model, all in float32, greedy over the workload's prompts: the share of
+    generated tokens equal to the unquantized model's (up to each sequence's first difference, after which the two
+    continue from different texts), and the largest difference in log-probability of the unquantized model's top-5
+    tokens at the first generated position."""
+    prompts = [r.prompt_token_ids for r in requests]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=5)
+    outputs = {}
+    for method in (None, "int8", "int4"):
+        llm = LLM(model=str(float_folder), dtype="float32", device="cpu", quantization=method)
+        outputs[method] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    rows = []
+    for method in ("int8", "int4"):
+        agreeing = 0
+        worst = 0.0
+        for reference, quantized in zip(outputs[None], outputs[method]):
+            agreeing += next((i for i, (a, b) in enumerate(zip(reference.token_ids, quantized.token_ids)) if a != b),
+                             len(reference.token_ids))
+            first, first_quantized = reference.logprobs[0], quantized.logprobs[0]
+            worst = max(worst, max(abs(first[t] - first_quantized[t]) for t in first if t in first_quantized))
+        rows.append((method, f"{agreeing / (len(prompts) * tokens):.1%}", f"{worst:.4f}"))
+    return markdown_table(
+        ["float32, vs unquantized", "greedy tokens equal (to first difference)", "max |d logprob| top-5, 1st token"],
+        rows,
+    )
+
+
 def run(args: argparse.Namespace) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -127,6 +157,7 @@ def run(args: argparse.Namespace) -> None:
             rows.append((label, run_conveyor(llm, requests), weight_bytes(llm)))
             print(f"  {label}: {rows[-1][1].tokens_per_second:.1f} tok/s", flush=True)
             del llm
+        print(error_table(float_folder, requests, args.error_tokens), flush=True)
     baseline, baseline_bytes = rows[0][1], rows[0][2]
     print(markdown_table(
         ["weights", "output tok/s", "vs bf16", "weight MiB", "vs bf16"],
