@@ -83,15 +83,25 @@ static inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
   }
 }
 
-static void dequant_q4_k(const uint8_t* b, float* y) {
+// The scales and mins of the two 32-value sub-blocks of chunk `chunk` (64 values) of a Q4_K / Q5_K super-block:
+// {scale 1, min 1, scale 2, min 2}, each the super-block's f16 d (or dmin) times a 6-bit integer.
+struct SubScales {
+  float d1, min1, d2, min2;
+};
+
+static inline SubScales k_quant_sub_scales(const uint8_t* b, int chunk) {
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
-  const uint8_t* scales = b + 4;
+  int sc1, m1, sc2, m2;
+  scale_min_k4(2 * chunk, b + 4, &sc1, &m1);
+  scale_min_k4(2 * chunk + 1, b + 4, &sc2, &m2);
+  return {d * (float)sc1, dmin * (float)m1, d * (float)sc2, dmin * (float)m2};
+}
+
+static void dequant_q4_k(const uint8_t* b, float* y) {
   const uint8_t* q = b + 16;
   for (int chunk = 0; chunk < 4; ++chunk, q += 32, y += 64) {
-    int sc1, m1, sc2, m2;
-    scale_min_k4(2 * chunk, scales, &sc1, &m1);
-    scale_min_k4(2 * chunk + 1, scales, &sc2, &m2);
-    const float d1 = d * (float)sc1, min1 = dmin * (float)m1, d2 = d * (float)sc2, min2 = dmin * (float)m2;
+    const SubScales s = k_quant_sub_scales(b, chunk);
+    const float d1 = s.d1, min1 = s.min1, d2 = s.d2, min2 = s.min2;
     for (int l = 0; l < 32; ++l) {
       y[l] = d1 * (float)(q[l] & 0x0F) - min1;
       y[l + 32] = d2 * (float)(q[l] >> 4) - min2;
@@ -100,15 +110,11 @@ static void dequant_q4_k(const uint8_t* b, float* y) {
 }
 
 static void dequant_q5_k(const uint8_t* b, float* y) {
-  const float d = half_to_float(b), dmin = half_to_float(b + 2);
-  const uint8_t* scales = b + 4;
   const uint8_t* qh = b + 16;
   const uint8_t* ql = b + 48;
   for (int chunk = 0; chunk < 4; ++chunk, ql += 32, y += 64) {
-    int sc1, m1, sc2, m2;
-    scale_min_k4(2 * chunk, scales, &sc1, &m1);
-    scale_min_k4(2 * chunk + 1, scales, &sc2, &m2);
-    const float d1 = d * (float)sc1, min1 = dmin * (float)m1, d2 = d * (float)sc2, min2 = dmin * (float)m2;
+    const SubScales s = k_quant_sub_scales(b, chunk);
+    const float d1 = s.d1, min1 = s.min1, d2 = s.d2, min2 = s.min2;
     const int bit1 = 2 * chunk, bit2 = 2 * chunk + 1;
     for (int l = 0; l < 32; ++l) {
       y[l] = d1 * (float)((ql[l] & 0x0F) | (((qh[l] >> bit1) & 1) << 4)) - min1;
