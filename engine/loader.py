@@ -3,7 +3,7 @@ them), or deterministic random numbers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +35,18 @@ def iter_safetensors_slices(folder: Path) -> Iterator[tuple[str, CheckpointTenso
 
 
 def iter_checkpoint(folder: Path, hf_config: dict[str, Any]) -> Iterator[tuple[str, CheckpointTensor]]:
-    """`iter_safetensors_slices`, with the tensors an imported GGUF keeps as blocks (config.json's
-    `quantization_config.tensor_types`, engine/gguf_import.py) wrapped as `GGUFTensor`s of their type."""
+    """`iter_safetensors_slices`, with an imported GGUF's block tensors wrapped (`with_gguf_blocks`)."""
+    return with_gguf_blocks(iter_safetensors_slices(folder), hf_config)
+
+
+def with_gguf_blocks(
+    named_tensors: Iterable[tuple[str, CheckpointTensor]], hf_config: dict[str, Any]
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """The tensors an imported GGUF keeps as blocks (config.json's `quantization_config.tensor_types`,
+    engine/gguf_import.py) wrapped as `GGUFTensor`s of their type; the others as they are."""
     quantization = hf_config.get("quantization_config") or {}
     tensor_types: dict[str, str] = quantization.get("tensor_types", {}) if quantization.get("quant_method") == "gguf" else {}
-    for name, tensor in iter_safetensors_slices(folder):
+    for name, tensor in named_tensors:
         if name in tensor_types:
             check_supported(tensor_types[name], name)
             yield name, GGUFTensor(tensor, tensor_types[name])
