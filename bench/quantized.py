@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> None:
             ("int4 (group 64)", float_folder, {"quantization": "int4"}),
             ("gguf Q8_0", q8_folder, {}),
             (f"gguf as the file ({types})", source.path, {}),
+            ("bf16 again (drift check)", float_folder, {}),  # a busy machine shows as the two bf16 rows differing
         ]
         for label, folder, options in setups:
             llm = LLM(model=str(folder), dtype="bfloat16", device="cpu", max_num_seqs=args.max_num_seqs, **options)

@@ -1,8 +1,8 @@
 """Quantization methods: how a projection's weights are created, loaded and multiplied (vLLM's split of a
 QuantizationConfig, which picks a method per layer, from the LinearMethod that owns the layer's weights).
 
-A `QuantizableLinear` (engine/parallel_layers.py; `layer` below) asks the method of the model being built for everything about its
-weight: `create_weights` makes its parameters, `load_weight` puts a checkpoint tensor's rows of one part (q, k or v;
+A `QuantizableLinear` (engine/parallel_layers.py; `layer` below) asks the method of the model being built for
+everything about its weight: `create_weights` makes its parameters, `load_weight` puts a checkpoint tensor's rows of one part (q, k or v;
 gate or up) in place, `process_weights_after_loading` turns what was loaded into the layout the matmul reads (a
 oneDNN-packed bf16 copy, int8 groups...), and `apply` is the matmul. One method per module:
 
