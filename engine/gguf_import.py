@@ -2,7 +2,8 @@
 Qwen3-MoE; byte-level or SentencePiece BPE vocabulary) into a Hugging Face model folder.
 
 The folder holds `model.safetensors`, `config.json`, `generation_config.json`, `tokenizer.json` and
-`tokenizer_config.json`, so both this engine and `transformers` load it like any checkpoint from the Hub.
+`tokenizer_config.json`, so this engine loads it like any checkpoint from the Hub (and `transformers` too when the
+file has no quantized tensors).
 Tensors keep the file's precision where it is a float type (F32 norms stay F32, F16 stays F16, BF16 stays
 BF16); quantized tensors keep their blocks as they are (engine/quantization/gguf.py), as uint8 [rows, row_bytes]
 tensors whose types `config.json`'s `quantization_config` names (`quant_method` "gguf", `tensor_types`), so the
