@@ -7,10 +7,10 @@ model is listed once a worker serving it has started.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from api.auth import ProjectDep
 from jobs.errors import ServiceError
@@ -26,10 +26,13 @@ class ModelObject(BaseModel):
     created: int  # unix seconds the deployment started serving it
     owned_by: str
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for a base model
+    # conveyor's addition: how the model runs; {"quantization": {"method": "int8", "bits": 8, "group_size": 64}}
+    # (GGUF: "method": "gguf" and its "tensor_types") when quantized, else {}
+    metadata: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str, model: ServedModel) -> ModelObject:
-        return cls(id=name, created=model.created, owned_by=OWNED_BY, parent=model.parent)
+        return cls(id=name, created=model.created, owned_by=OWNED_BY, parent=model.parent, metadata=model.metadata)
 
 
 class ModelList(BaseModel):

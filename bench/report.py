@@ -50,7 +50,7 @@ from bench.throughput import BenchRequest, run_hf_static
 from engine import LLM
 from engine.config import EngineConfig
 from engine.dtypes import resolve_dtype
-from engine.model_registry import resolve_model
+from engine.model_registry import resolve_model, transformers_source
 
 
 @dataclass(frozen=True)
@@ -150,9 +150,10 @@ def spread_experiment(setting: Setting, vocab_size: int) -> list[Measured]:
 def hf_runs(setting: Setting, workloads: dict[str, list[BenchRequest]]) -> list[Measured]:
     import transformers
 
-    path = resolve_model(setting.model).path
+    path, arguments = transformers_source(setting.model)
     dtype = resolve_dtype(setting.dtype, torch.device(setting.device))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(setting.device).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **arguments)
+    model = model.to(setting.device).eval()
     seats = setting.size.seats
     runs = []
     for spread, requests in workloads.items():

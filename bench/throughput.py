@@ -35,7 +35,7 @@ from bench.common import dtype_name, run_cli
 from bench.options import add_throughput_arguments
 from bench.step_profile import StepProfile, matmul_peak_flops, useful_flops
 from engine import LLM, SamplingParams
-from engine.model_registry import DUMMY_SHAPES, resolve_model
+from engine.model_registry import DUMMY_SHAPES, resolve_model, transformers_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -232,7 +232,8 @@ def run(args: argparse.Namespace) -> None:
         hf_config = transformers.AutoConfig.from_pretrained(str(model_path))
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     else:
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+        path, arguments = transformers_source(model)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **arguments)
     hf_model = hf_model.to(args.device).eval()
     hf = run_hf_static(hf_model, requests, args.hf_batch_size)
     print(format_table([ours, hf], baseline=hf, flops=flops, peak=peak))

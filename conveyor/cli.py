@@ -80,6 +80,12 @@ def _add_run_command(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
         "-q", "--quiet", action="store_true",
         help="no progress (a bar on a terminal, a line every few seconds otherwise) and no summary; errors only",
     )
+    run.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        help="weight-only quantization of an unquantized checkpoint at load (CPU): symmetric groups of 64 input "
+        "features, one float32 scale each; default: none (a GGUF file's own blocks run as they are)",
+    )
     run.set_defaults(handler=_run)
 
 
@@ -115,6 +121,7 @@ def _run(args: argparse.Namespace) -> int:
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("kv_cache_memory", args.kv_cache_memory),
             ("tensor_parallel_size", args.tensor_parallel_size),
+            ("quantization", args.quantization),
         )
         if value is not None
     }

@@ -18,8 +18,12 @@ DECODER_ARCHITECTURES = (
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
-# Hugging Face `quantization_config.quant_method`s whose weights this engine can read: none yet.
-SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ()
+# `quantization_config.quant_method`s of a checkpoint whose weights this engine reads: "gguf", which this engine's
+# own GGUF import writes (engine/gguf_import.py: the file's blocks kept as they are).
+SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ("gguf",)
+# What `EngineConfig.quantization` may ask of an unquantized checkpoint: weights quantized at load time.
+WEIGHT_ONLY_METHODS: tuple[str, ...] = ("int8", "int4")
+WeightOnlyMethod = Literal["int8", "int4"]
 
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # transformers' defaults for what a Qwen MoE config.json leaves out
@@ -84,6 +88,52 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class QuantizationConfig:
+    """How a model's projection weights are stored and multiplied (engine/quantization/): GGUF blocks as the file
+    has them, or weight-only int8 / int4 groups quantized at load time. None where a config takes one: unquantized."""
+
+    method: Literal["gguf", "int8", "int4"]
+    # Weight-only: symmetric groups of this many input features along each output row, one float32 scale each.
+    # GGUF: None (each tensor's type fixes its blocks: 32 values, 256 for the K-quants).
+    group_size: int | None = None
+    # GGUF: the file's quantized tensors by type, e.g. {"Q4_1": 210, "Q8_0": 1}; weight-only: empty.
+    tensor_types: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def bits(self) -> int | None:
+        """Bits per weight value for weight-only methods; None for GGUF (mixed per tensor: see tensor_types)."""
+        return {"int8": 8, "int4": 4}.get(self.method)
+
+    def describe(self) -> dict[str, Any]:
+        """Plain data for logs and /v1/models: method, bits, group size, GGUF tensor types."""
+        described: dict[str, Any] = {"method": self.method, "bits": self.bits, "group_size": self.group_size}
+        if self.tensor_types:
+            described["tensor_types"] = dict(self.tensor_types)
+        return described
+
+
+def weight_only_quantization(method: str, group_size: int) -> QuantizationConfig:
+    if method not in WEIGHT_ONLY_METHODS:
+        raise ValueError(f"quantization {method!r} is not supported; supported: {', '.join(WEIGHT_ONLY_METHODS)}")
+    if group_size < 2 or group_size % 2:
+        raise ValueError(f"quantization_group_size must be an even number >= 2, got {group_size}")
+    return QuantizationConfig(method=method, group_size=group_size)  # type: ignore[arg-type]
+
+
+def model_quantization(model: "ModelConfig", engine: "EngineConfig") -> QuantizationConfig | None:
+    """What the model runs with: the checkpoint's own quantization, or the weight-only one the engine config asks
+    for (only of an unquantized checkpoint: quantizing quantized weights again would silently lose precision)."""
+    if engine.quantization is None:
+        return model.quantization
+    if model.quantization is not None:
+        raise ValueError(
+            f"quantization={engine.quantization!r} applies to unquantized checkpoints; this model is already "
+            f"quantized ({model.quantization.method})"
+        )
+    return weight_only_quantization(engine.quantization, engine.quantization_group_size)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder (Llama family and its relatives, dense or mixture-of-experts). Built from a Hugging Face
     `config.json` dict."""
@@ -115,6 +165,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # the same on the output logits (Gemma 2)
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3); None: rope_theta
     moe: MoeConfig | None = None  # mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE); None: dense
+    quantization: QuantizationConfig | None = None  # the checkpoint's (a GGUF import's); None: unquantized
 
     @property
     def long_rope_threshold(self) -> int | None:
@@ -138,7 +189,7 @@ class ModelConfig:
         architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
         if architecture not in DECODER_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(DECODER_ARCHITECTURES)}")
-        _refuse_quantization(hf)
+        quantization = _checkpoint_quantization(hf)
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -178,23 +229,29 @@ class ModelConfig:
             final_logit_softcapping=hf.get("final_logit_softcapping") if gemma else None,
             local_rope_theta=local_rope_theta,
             moe=MoeConfig.from_hf(hf, architecture) if architecture in _MOE_ARCHITECTURES else None,
+            quantization=quantization,
         )
 
 
-def _refuse_quantization(hf: dict[str, Any]) -> None:
-    """Quantized checkpoints store packed integer or float8 weights (and scales) under names and shapes
-    this engine does not read: say so at load instead of failing on a missing tensor."""
+def _checkpoint_quantization(hf: dict[str, Any]) -> QuantizationConfig | None:
+    """The checkpoint's quantization. Other quantized checkpoints (AWQ, GPTQ, FP8, bitsandbytes...) store packed
+    integer or float8 weights (and scales) under names and shapes this engine does not read: say so at load
+    instead of failing on a missing tensor."""
     quantization = hf.get("quantization_config")
     if not quantization:
-        return
+        return None
     method = quantization.get("quant_method") or ("bitsandbytes" if "load_in_4bit" in quantization else "unknown")
     if method not in SUPPORTED_QUANTIZATION_METHODS:
-        supported = ", ".join(SUPPORTED_QUANTIZATION_METHODS) or "none"
         raise ValueError(
             f"quantized checkpoint (quantization_config.quant_method={method!r}) is not supported; supported "
-            f"quantization methods: {supported}. Load the unquantized (bf16/fp16/fp32) checkpoint, or a GGUF file "
-            f"(dequantized to bf16 at import)"
+            f"quantization methods: {', '.join(SUPPORTED_QUANTIZATION_METHODS)} (GGUF files, blocks kept as they are). "
+            f"Load the unquantized (bf16/fp16/fp32) checkpoint, optionally with quantization="
+            f"{' or '.join(WEIGHT_ONLY_METHODS)} (weight-only, quantized at load), or a GGUF file"
         )
+    counts: dict[str, int] = {}
+    for tensor_type in quantization.get("tensor_types", {}).values():
+        counts[tensor_type] = counts.get(tensor_type, 0) + 1
+    return QuantizationConfig(method="gguf", tensor_types=tuple(sorted(counts.items())))
 
 
 def _rope_settings(hf: dict[str, Any], architecture: str) -> tuple[float, dict[str, Any] | None, float | None]:
@@ -334,6 +391,11 @@ class EngineConfig:
     # schema), append its tokens without a forward pass each. Off by default: the forced text is tokenized
     # on its own, which may split it differently from the model's own tokens (outputs differ from HF's).
     jump_forward: bool = False
+    # Weight-only quantization of an unquantized checkpoint, done at load (CPU): "int8" or "int4", symmetric, one
+    # float32 scale per `quantization_group_size` input features of each output row; None: the checkpoint's own
+    # weights (a GGUF file's blocks as they are). Asking it of an already quantized checkpoint is an error.
+    quantization: WeightOnlyMethod | None = None
+    quantization_group_size: int = 64  # input features per int8 / int4 scale (divides SmolLM2's 576 and 1536)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -374,6 +436,8 @@ class EngineConfig:
             raise ValueError("lookahead_admission_steps must be >= 0")
         if self.grammar_compile_threads < 1 or self.grammar_cache_size < 1:
             raise ValueError("grammar_compile_threads and grammar_cache_size must be >= 1")
+        if self.quantization is not None:
+            weight_only_quantization(self.quantization, self.quantization_group_size)  # raises naming what is supported
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
 

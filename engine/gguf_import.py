@@ -2,9 +2,14 @@
 Qwen3-MoE; byte-level or SentencePiece BPE vocabulary) into a Hugging Face model folder.
 
 The folder holds `model.safetensors`, `config.json`, `generation_config.json`, `tokenizer.json` and
-`tokenizer_config.json`, so both this engine and `transformers` load it like any checkpoint from the Hub.
+`tokenizer_config.json`, so this engine loads it like any checkpoint from the Hub (and `transformers` too when the
+file has no quantized tensors).
 Tensors keep the file's precision where it is a float type (F32 norms stay F32, F16 stays F16, BF16 stays
-BF16); quantized tensors are dequantized to bfloat16, never float32, so a Q4 file grows about 4x, not 8x.
+BF16); quantized tensors keep their blocks as they are (engine/quantization/gguf.py), as uint8 [rows, row_bytes]
+tensors whose types `config.json`'s `quantization_config` names (`quant_method` "gguf", `tensor_types`), so the
+folder is about the file's size and the engine reads exactly the file's values. That config makes the folder this
+engine's own: transformers reads the GGUF file itself (`from_pretrained(..., gguf_file=...)`), not the folder.
+A quantized type the engine cannot run is refused here, by name.
 llama.cpp stacks a layer's experts into one tensor per projection (`ffn_gate_exps`, `ffn_up_exps`,
 `ffn_down_exps`); they are written back one tensor per expert, as transformers saves MoE checkpoints.
 RoPE scaling comes from the file: `rope.scaling.*` (linear, yarn), Llama 3.1's `rope_freqs` tensor of
@@ -31,12 +36,14 @@ from tqdm import tqdm
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.quantization.gguf import check_supported
 from engine.tokenizer import bos_eos_processor
 
 log = logging.getLogger(__name__)
 
-# Bump whenever a conversion's output changes: converted folders are cached under names carrying it.
-CONVERTER_VERSION = 2
+# Bump whenever a conversion's output changes: converted folders are cached under names carrying it. Version 3
+# keeps quantized blocks (version 2 folders hold them dequantized to bf16, under the same tensor names).
+CONVERTER_VERSION = 3
 
 CONTROL_TOKEN = 3  # llama.cpp's token_type for special tokens such as <|im_start|>
 USER_DEFINED_TOKEN = 4  # added tokens that are matched whole but are not special
@@ -139,8 +146,10 @@ def convert_gguf_to_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     started = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config = _hf_config(architecture, metadata, tensors)
-    save_file(_hf_tensors(architecture, tensors, hf_config), str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    converted, quantized_types = _hf_tensors(architecture, tensors, hf_config)
+    if quantized_types:
+        hf_config["quantization_config"] = {"quant_method": "gguf", "tensor_types": quantized_types}
+    save_file(converted, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out_dir / "config.json", hf_config)
     generation = {key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in hf_config}
     _write_json(out_dir / "generation_config.json", generation)
@@ -340,7 +349,7 @@ def _round(value: float) -> float:
     return float(f"{value:.4g}")
 
 
-# The float types a tensor keeps; quantized ones become bfloat16.
+# The float types a tensor keeps; quantized ones keep their blocks.
 _FLOAT_TYPES = {
     gguf.GGMLQuantizationType.F32: torch.float32,
     gguf.GGMLQuantizationType.F16: torch.float16,
@@ -349,11 +358,16 @@ _FLOAT_TYPES = {
 
 
 def _safetensors_dtype(tensor_type: gguf.GGMLQuantizationType) -> torch.dtype:
+    """The dtype a tensor loads as: its own float type, bfloat16 (what `dtype="auto"` runs) for quantized ones."""
     return _FLOAT_TYPES.get(tensor_type, torch.bfloat16)
 
 
-def _hf_tensors(architecture: str, tensors: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _hf_tensors(
+    architecture: str, tensors: dict[str, Any], hf_config: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The Hugging Face-named tensors, and the GGUF type of each one kept as quantized blocks."""
     converted: dict[str, torch.Tensor] = {}
+    quantized_types: dict[str, str] = {}
     gemma = architecture in ("gemma2", "gemma3")
     # disable=None: no bar where stderr is not a terminal (a worker's log file); none either where INFO is not shown.
     shown = tqdm(
@@ -363,23 +377,33 @@ def _hf_tensors(architecture: str, tensors: dict[str, Any], hf_config: dict[str,
     for gguf_name, tensor in shown:
         if gguf_name in _ROPE_TENSORS:
             continue
-        # numpy's shape is GGUF's reversed, so a matrix arrives as (out_features, in_features) like torch's Linear.
-        # np.asarray drops the memmap subclass, whose per-slice bookkeeping would dominate dequantization time.
-        weights = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         name = _hf_name(architecture, gguf_name)
+        quantized = tensor.tensor_type not in _FLOAT_TYPES
+        # numpy's shape is GGUF's reversed, so a matrix arrives as (out_features, in_features) like torch's Linear
+        # (quantized: (out_features, bytes of a row's blocks)). np.asarray drops the memmap subclass, whose
+        # per-slice bookkeeping would dominate the time.
+        if quantized:
+            check_supported(tensor.tensor_type.name, gguf_name)
+            weights = np.asarray(tensor.data)
+        else:
+            weights = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        # llama.cpp's q/k row order (rows are whole block rows, so blocks move as they are)
         if architecture == "llama" and name.endswith("q_proj.weight"):
             weights = _undo_rope_permutation(weights, hf_config["num_attention_heads"])
         elif architecture == "llama" and name.endswith("k_proj.weight"):
             weights = _undo_rope_permutation(weights, hf_config["num_key_value_heads"])
         if gemma and name.endswith("norm.weight"):
             weights = weights - 1  # llama.cpp stores Gemma's (1 + weight); the checkpoint holds weight
-        dtype = _safetensors_dtype(tensor.tensor_type)
-        if "{expert}" in name:  # each expert its own copy: safetensors refuses tensors sharing memory
-            for expert, matrix in enumerate(weights):
-                converted[name.format(expert=expert)] = _to_torch(matrix.copy(), dtype)
-        else:
-            converted[name] = _to_torch(weights, dtype)
-    return converted
+        names = [name.format(expert=expert) for expert in range(len(weights))] if "{expert}" in name else [name]
+        # each expert its own copy: safetensors refuses tensors sharing memory
+        pieces = [matrix.copy() for matrix in weights] if "{expert}" in name else [weights]
+        for piece_name, piece in zip(names, pieces):
+            if quantized:
+                converted[piece_name] = torch.from_numpy(np.array(piece, dtype=np.uint8))  # its own, writable copy
+                quantized_types[piece_name] = tensor.tensor_type.name
+            else:
+                converted[piece_name] = _to_torch(piece, _safetensors_dtype(tensor.tensor_type))
+    return converted, quantized_types
 
 
 def _to_torch(weights: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

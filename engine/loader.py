@@ -1,14 +1,17 @@
-"""Where a model's weights come from: a folder of safetensors files, or deterministic random numbers."""
+"""Where a model's weights come from: a folder of safetensors files (an imported GGUF's quantized blocks among
+them), or deterministic random numbers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from engine.parallel_layers import CheckpointTensor
+from engine.quantization.gguf import GGUFTensor, check_supported
 
 DUMMY_WEIGHT_STD = 0.02  # small enough that 30+ layers of residual sums stay far inside bf16's range
 
@@ -29,6 +32,26 @@ def iter_safetensors_slices(folder: Path) -> Iterator[tuple[str, CheckpointTenso
         with safe_open(str(file), framework="pt") as checkpoint:
             for name in checkpoint.keys():
                 yield name, checkpoint.get_slice(name)
+
+
+def iter_checkpoint(folder: Path, hf_config: dict[str, Any]) -> Iterator[tuple[str, CheckpointTensor]]:
+    """`iter_safetensors_slices`, with an imported GGUF's block tensors wrapped (`with_gguf_blocks`)."""
+    return with_gguf_blocks(iter_safetensors_slices(folder), hf_config)
+
+
+def with_gguf_blocks(
+    named_tensors: Iterable[tuple[str, CheckpointTensor]], hf_config: dict[str, Any]
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """The tensors an imported GGUF keeps as blocks (config.json's `quantization_config.tensor_types`,
+    engine/gguf_import.py) wrapped as `GGUFTensor`s of their type; the others as they are."""
+    quantization = hf_config.get("quantization_config") or {}
+    tensor_types: dict[str, str] = quantization.get("tensor_types", {}) if quantization.get("quant_method") == "gguf" else {}
+    for name, tensor in named_tensors:
+        if name in tensor_types:
+            check_supported(tensor_types[name], name)
+            yield name, GGUFTensor(tensor, tensor_types[name])
+        else:
+            yield name, tensor
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

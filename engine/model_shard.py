@@ -7,27 +7,31 @@ Rank 0 builds its shard inside LLMEngine; every other rank builds its own the sa
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import TorchAttention, TritonAttention
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, model_quantization
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed import TensorParallelGroup, building_with
 from engine.dtypes import KernelBackend, building_on, cpu_has_fast_bf16, on_device
 from engine.kv_cache import (
     allocate_host_kv_cache, allocate_kv_cache, bytes_per_block, num_host_blocks, num_kv_blocks, profile_device_memory,
 )
-from engine.loader import init_dummy_weights, iter_safetensors_slices
+from engine.loader import init_dummy_weights, iter_checkpoint
 from engine.model_registry import ModelSource
 from engine.model_runner import ModelRunner
 from engine.models import MODEL_CLASSES
 from engine.models.llama import LlamaForCausalLM
+from engine.quantization import building_quantized
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 from kernels.cpu_kernels import load_cpu_kernels
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -176,19 +180,30 @@ def _build_model(spec: ShardSpec, device: torch.device, group: TensorParallelGro
         shared_prefix = config.shared_prefix_min_saved_tokens if device.type == "cpu" else 0
         backend = TorchAttention(use_cpu_kernels, shared_prefix)
         kernels = "cpu" if use_cpu_kernels else "torch"
+    quantization = model_quantization(spec.model_config, config)
+    if spec.source.load_format == "dummy" and quantization is not None and quantization.method == "gguf":
+        quantization = None  # random weights of the GGUF's shape: there are no blocks to keep
+    if quantization is not None and device.type != "cpu":
+        raise ValueError(
+            f"quantization {quantization.method!r} runs on the CPU only so far (kernels/quantized_matmul.cpp); "
+            f"device is {device.type}"
+        )
     # Parameters are created in their final dtype on the device, and filled in place: building in float32 and
     # casting would hold twice the weights at the peak.
-    with building_on(device, spec.dtype), building_with(group):
+    with building_on(device, spec.dtype), building_with(group), building_quantized(quantization):
         model = MODEL_CLASSES[spec.model_config.architecture](spec.model_config, backend, kernels)
     if spec.source.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
     else:
         assert spec.source.path is not None, "a safetensors source always has a folder"
-        model.load_weights(iter_safetensors_slices(spec.source.path))
+        model.load_weights(iter_checkpoint(spec.source.path, spec.source.hf_config))
     # The rotary tables stay float32 whatever the weights' dtype: positions need the precision.
     for rotary in (model.model.rotary, model.model.local_rotary):
         if rotary is not None:
             rotary.float()
-    if use_cpu_kernels and spec.dtype == torch.bfloat16 and cpu_has_fast_bf16():
-        model.pack_linears_for_cpu()
+    model.process_weights_after_loading(
+        pack_for_cpu=use_cpu_kernels and spec.dtype == torch.bfloat16 and cpu_has_fast_bf16()
+    )
+    if quantization is not None and group.rank == 0:
+        log.info("model weights quantized: %s", quantization.describe())
     return model.eval()

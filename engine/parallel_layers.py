@@ -14,33 +14,14 @@ that can be sliced before they are read (safetensors slices): a rank reads its p
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoint import CheckpointTensor, full_shape, read_whole
 from engine.distributed import TensorParallelGroup, current_group
-
-# A batch-size hint for oneDNN's weight layout; packed weights serve any number of tokens.
-PACK_FOR_TOKENS = 64
-
-
-class CheckpointTensor(Protocol):
-    """A tensor of a checkpoint that is read only where indexed: a safetensors slice, or a torch.Tensor."""
-
-    def __getitem__(self, index: object) -> torch.Tensor: ...
-
-
-def full_shape(tensor: CheckpointTensor) -> tuple[int, ...]:
-    if isinstance(tensor, torch.Tensor):
-        return tuple(tensor.shape)
-    return tuple(tensor.get_shape())  # type: ignore[attr-defined]
-
-
-def read_whole(tensor: CheckpointTensor) -> torch.Tensor:
-    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
-
+from engine.quantization import current_linear_method
+from engine.quantization.unquantized import UnquantizedLinearMethod, dense_linear, prepack
 
 # Which piece of a parameter one checkpoint tensor fills, for the sharded layer that places this rank's slice of it:
 # the index of a fused projection's part (q, k, v; gate, up), or of stacked experts (expert, part: gate 0, up 1,
@@ -55,22 +36,49 @@ def per_rank(total: int, parts: int, what: str) -> int:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be prepacked into oneDNN's blocked layout for bfloat16 on CPU:
-    measured 1.5x on decode-size matmuls, where reading the weights is the cost (26 -> 17 ms for
-    the 30 layers of SmolLM2 at 64 tokens). Packing keeps a second, packed copy of the weight."""
+    """nn.Linear whose weight can be prepacked into oneDNN's blocked layout for bfloat16 on CPU (see
+    engine/quantization/unquantized.py), for the layers that are never quantized: the encoder's, a MoE router.
+    Packing keeps a second, packed copy of the weight."""
 
     packed_weight: torch.Tensor | None = None
 
     def pack_for_cpu(self) -> None:
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_FOR_TOKENS)
+        self.packed_weight = prepack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.packed_weight, self.bias)
 
 
-class ColumnParallelLinear(Linear):
+class QuantizableLinear(nn.Module):
+    """A projection [in_features -> out_features] whose weight layout, loading and matmul belong to the
+    quantization method of the model being built (engine/quantization/): float weights, GGUF blocks or int8/int4
+    groups. The bias, where there is one, stays float in the model's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.method = current_linear_method()
+        self.method.create_weights(self)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def load_piece(self, leaf: str, tensor: CheckpointTensor, index: tuple[slice, ...], rows: slice, part: int) -> int:
+        """Put `tensor[index]` into output rows `rows` of `leaf` ("weight" or "bias"), as part `part` of a fused
+        projection. Returns the elements written."""
+        if leaf == "bias":
+            assert self.bias is not None, "a bias in the checkpoint of a projection without one"
+            destination = self.bias[rows]
+            destination.copy_(tensor[index])
+            return destination.numel()
+        return self.method.load_weight(self, tensor, index, rows, part)
+
+    def process_weights_after_loading(self, pack_for_cpu: bool) -> None:
+        self.method.process_weights_after_loading(self, pack_for_cpu)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+
+class ColumnParallelLinear(QuantizableLinear):
     """Output features split across ranks: rank r holds rows [r * out / size, (r + 1) * out / size) of the weight
     (and bias), one contiguous slice per logical part (`part_sizes`, e.g. q, k and v) so each part splits alone."""
 
@@ -84,7 +92,6 @@ class ColumnParallelLinear(Linear):
         """Copy this rank's rows of checkpoint tensor `tensor` into `leaf`: part `part` of the fused projection (q, k
         or v; gate or up), or with `part` None all parts back to back, as checkpoints that fuse them store them
         (Phi-3). Returns the elements written."""
-        parameter: torch.Tensor = getattr(self, leaf)
         size, rank = self.group.size, self.group.rank
         parts = range(len(self.local_part_sizes)) if part is None else [part]
         expected = sum(self.local_part_sizes[p] for p in parts) * size
@@ -95,10 +102,8 @@ class ColumnParallelLinear(Linear):
             local = self.local_part_sizes[p]
             start = sum(self.local_part_sizes[:p])
             rows = checkpoint_start + rank * local
-            destination = parameter[start : start + local]
-            destination.copy_(tensor[rows : rows + local])
+            written += self.load_piece(leaf, tensor, (slice(rows, rows + local),), slice(start, start + local), p)
             checkpoint_start += local * size
-            written += destination.numel()
         return written
 
 
@@ -120,7 +125,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, [intermediate_size, intermediate_size], False, "intermediate_size")
 
 
-class RowParallelLinear(Linear):
+class RowParallelLinear(QuantizableLinear):
     """Input features split across ranks; the partial products are summed by one all-reduce, unless
     `reduce_results` is False: then the caller sums them, with others, in its own all-reduce."""
 
@@ -135,8 +140,8 @@ class RowParallelLinear(Linear):
         shape = full_shape(tensor)
         if shape != (self.out_features, local * self.group.size):
             raise ValueError(f"checkpoint shape {shape} != {(self.out_features, local * self.group.size)} expected")
-        self.weight.copy_(tensor[:, self.group.rank * local : (self.group.rank + 1) * local])
-        return self.weight.numel()
+        columns = slice(self.group.rank * local, (self.group.rank + 1) * local)
+        return self.load_piece(leaf, tensor, (slice(None), columns), slice(0, self.out_features), 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = super().forward(x)
@@ -185,7 +190,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(rows)
 
 
-class ParallelLMHead(Linear):
+class ParallelLMHead(QuantizableLinear):
     """The output projection with the vocabulary split as in VocabParallelEmbedding; `gather_logits` assembles
     the full rows on rank 0."""
 
@@ -194,8 +199,21 @@ class ParallelLMHead(Linear):
         self.vocab_size = vocab_size
         super().__init__(hidden_size, vocab_shard(vocab_size, self.group)[2], bias=False)
 
+    @torch.no_grad()
     def load(self, leaf: str, tensor: CheckpointTensor, part: int | None) -> int:
-        return _load_vocab_rows(self.weight, tensor, self.vocab_size, self.group)
+        shape = full_shape(tensor)
+        if shape != (self.vocab_size, self.in_features):
+            raise ValueError(f"checkpoint shape {shape} != {(self.vocab_size, self.in_features)} expected")
+        start, end, rows = vocab_shard(self.vocab_size, self.group)
+        if end - start < rows:  # the last rank's padding rows: zero logits, dropped by gather_logits
+            if not isinstance(self.method, UnquantizedLinearMethod):
+                raise ValueError(
+                    f"a quantized output projection needs a vocabulary ({self.vocab_size}) divisible by "
+                    f"tensor_parallel_size ({self.group.size})"
+                )
+            self.weight[end - start :].zero_()
+        written = self.load_piece(leaf, tensor, (slice(start, end),), slice(0, end - start), 0)
+        return written + (rows - (end - start)) * self.in_features
 
 
 def gather_logits(local_logits: torch.Tensor, vocab_size: int, group: TensorParallelGroup) -> torch.Tensor | None:

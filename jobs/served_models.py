@@ -20,9 +20,9 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from redis import Redis
 from redis.exceptions import RedisError, WatchError
@@ -88,6 +88,8 @@ class ServedModel:
     kind: ModelKind
     created: int  # unix seconds the first worker serving it announced it
     parent: str | None = None  # a LoRA adapter's base model id; None: a base model
+    # How it runs, for /v1/models' `metadata`: {"quantization": {"method", "bits", "group_size", ...}} when quantized
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class ModelNames:
@@ -157,9 +159,10 @@ class ModelRegistry:
                 expired.append(model_id)
                 continue
             fields = json.loads(raw)
-            models.append(
-                ServedModel(fields["id"], tuple(fields["names"]), fields["kind"], fields["created"], fields.get("parent"))
-            )
+            models.append(ServedModel(
+                fields["id"], tuple(fields["names"]), fields["kind"], fields["created"], fields.get("parent"),
+                fields.get("metadata", {}),
+            ))
         if expired:
             self._forget(expired)
         return models
@@ -211,13 +214,18 @@ class Heartbeat:
                 log.warning("cannot re-announce the served models: %s", unreachable)
 
 
-def process_models(generation_names: list[str], embedding_model: str, adapters: Sequence[str] = ()) -> list[ServedModel]:
-    """What one process serves: its generation model under its names, its LoRA adapters (by name, their parent the
-    generation model), and its embedding model."""
+def process_models(
+    generation_names: list[str],
+    embedding_model: str,
+    adapters: Sequence[str] = (),
+    generation_metadata: dict[str, Any] | None = None,
+) -> list[ServedModel]:
+    """What one process serves: its generation model under its names (with `generation_metadata`: how it runs), its
+    LoRA adapters (by name, their parent the generation model), and its embedding model."""
     created = int(time.time())
     base = generation_names[0]
     return [
-        ServedModel(base, tuple(generation_names), "generation", created),
+        ServedModel(base, tuple(generation_names), "generation", created, metadata=generation_metadata or {}),
         *(ServedModel(adapter, (adapter,), "generation", created, parent=base) for adapter in adapters),
         ServedModel(embedding_model, (embedding_model,), "embedding", created),
     ]

@@ -17,10 +17,12 @@ import logging
 import os
 import signal
 import socket
+from typing import Any
 
 from redis import Redis
 
 from engine.admission import EngineFailed
+from engine.config import model_quantization
 from engine.embedder import Embedder
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
@@ -73,7 +75,16 @@ def build_engine(settings: Settings) -> EngineLoop:
     if engine.tokenizer is None:
         loop.stop()
         raise ValueError(f"model {settings.model!r} has no tokenizer; the batch API needs one to read prompts")
+    log.info("model %s loaded: %s, quantization %s", settings.model, engine.dtype,
+             generation_metadata(engine).get("quantization", "none"))
     return loop
+
+
+def generation_metadata(engine: LLMEngine) -> dict[str, Any]:
+    """How the engine runs its model, as /v1/models shows it: its quantization (method, bits, group size, GGUF
+    tensor types) when quantized."""
+    quantization = model_quantization(engine.model_config, engine.config)
+    return {} if quantization is None else {"quantization": quantization.describe()}
 
 
 def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
@@ -83,7 +94,7 @@ def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
     store.ensure_bucket()
     redis = Redis.from_url(settings.redis_url)
     stop_flags = StopFlags(redis, settings.redis_prefix)
-    models = worker_models(settings, engine.model_name, engine.adapter_names, redis)
+    models = worker_models(settings, engine.model_name, engine.adapter_names, redis, generation_metadata(engine))
     engine_handle = EngineHandle(
         loop=loop,
         tokenizer=engine.tokenizer,
@@ -120,10 +131,16 @@ def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
     )
 
 
-def worker_models(settings: Settings, engine_model_name: str, engine_adapters: list[str], redis: Redis) -> WorkerModels:
+def worker_models(
+    settings: Settings,
+    engine_model_name: str,
+    engine_adapters: list[str],
+    redis: Redis,
+    metadata: dict[str, Any] | None = None,
+) -> WorkerModels:
     names = parse_names(settings.served_model_names) or [engine_model_name]
     return WorkerModels(
-        process_models(names, settings.embedding_model, list(engine_adapters)),
+        process_models(names, settings.embedding_model, list(engine_adapters), metadata),
         ModelRegistry(redis, settings.redis_prefix, settings.model_announce_ttl_seconds),
         parse_aliases(settings.model_aliases),
     )

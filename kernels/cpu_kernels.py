@@ -54,7 +54,7 @@ def load_cpu_kernels() -> ModuleType | None:
     """The compiled extension, or None where it cannot be built (no compiler, no ninja)."""
     from torch.utils import cpp_extension
 
-    name = f"conveyor_cpu_kernels_{_build_digest()}"
+    name = f"conveyor_cpu_kernels_{build_digest(_SOURCE)}"
     # Where load() builds (TORCH_EXTENSIONS_DIR or its default, per Python and CUDA version); private, but the one
     # place that knows the layout.
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
@@ -81,14 +81,16 @@ def load_cpu_kernels() -> ModuleType | None:
     return kernels
 
 
-def _build_digest() -> str:
+def build_digest(*sources: Path) -> str:
     """Names the build after what it depends on. The source: checkouts of different versions on one machine (a CI
     clone beside a working tree) neither load nor rebuild one another's. The checkout's path: torch's build file
     records the source's absolute path, so two checkouts of one version sharing a build would rebuild it in turn.
     The CPU: `-march=native` code from another CPU (a home directory moved between an AMX and an AVX-512 machine)
     could stop on an illegal instruction."""
-    digest = hashlib.sha256(_SOURCE.read_bytes())
-    digest.update(str(_SOURCE.resolve()).encode())
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+        digest.update(str(source.resolve()).encode())
     digest.update(_cpu_identity().encode())
     return digest.hexdigest()[:12]
 

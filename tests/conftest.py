@@ -92,6 +92,17 @@ def smollm2_folder() -> Path:
     return source.path
 
 
+def hf_smollm2(dtype: torch.dtype = torch.float32):
+    """transformers' SmolLM2, read from the bundled GGUF file itself (dequantized by gguf-py to `dtype`): the
+    oracle of the engine's runs of it (the converted folder keeps quantized blocks only this engine reads)."""
+    import transformers
+
+    from engine.model_registry import DEFAULT_MODEL, transformers_source
+
+    path, arguments = transformers_source(DEFAULT_MODEL)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **arguments).eval()
+
+
 @pytest.fixture
 def tiny_dummy_model(tmp_path: Path) -> Path:
     """A config-only folder of a tiny Qwen3 (q/k norms, explicit head_dim), for load_format="dummy"."""

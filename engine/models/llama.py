@@ -23,14 +23,15 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.distributed import current_group
+from engine.quantization.unquantized import prepack
 from engine.parallel_layers import (
     CheckpointPart,
     CheckpointTensor,
-    PACK_FOR_TOKENS,
     Linear,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
+    QuantizableLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_logits,
@@ -374,15 +375,17 @@ class LlamaForCausalLM(nn.Module):
 
     _packed_embedding: torch.Tensor | None = None  # the tied output projection, packed
 
-    def pack_linears_for_cpu(self) -> None:
-        """Prepack every projection (and a tied output projection) for oneDNN; bfloat16 on CPU."""
+    def process_weights_after_loading(self, pack_for_cpu: bool) -> None:
+        """Each projection's method turns its loaded weights into what its matmul reads (quantizes them, packs
+        them); with `pack_for_cpu` (bfloat16 on a CPU with fast bf16) the float layers and a tied output
+        projection are prepacked for oneDNN."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, QuantizableLinear):
+                module.process_weights_after_loading(pack_for_cpu)
+            elif isinstance(module, Linear) and pack_for_cpu:  # a MoE router
                 module.pack_for_cpu()
-        if self.config.tie_word_embeddings:
-            self._packed_embedding = torch.ops.mkldnn._reorder_linear_weight(
-                self.model.embed_tokens.weight.detach(), PACK_FOR_TOKENS
-            )
+        if pack_for_cpu and self.config.tie_word_embeddings:
+            self._packed_embedding = prepack(self.model.embed_tokens.weight)
 
     # Hugging Face checkpoint name suffix -> (our fused parameter suffix, which part of it)
     _FUSED = {

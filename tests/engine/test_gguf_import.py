@@ -2,7 +2,7 @@
 tensor) written by the `gguf` package the way llama.cpp's converter writes it, read back and generating
 what the transformers model it was written from generates; likewise each family's layout (Phi-3 with its
 LongRoPE factor tensors, the mixtures of experts with their stacked expert tensors); precision kept (F32 stays
-F32, quantized becomes bf16, never f32); RoPE scaling types read from the file; converter version in the cache key."""
+F32, quantized blocks kept as they are; an unsupported type refused); RoPE scaling types read from the file; converter version in the cache key."""
 
 from __future__ import annotations
 
@@ -287,16 +287,36 @@ def test_gguf_family_layouts_match_transformers(family, tmp_path):
     assert [o.outputs[0].token_ids for o in got] == expected
 
 
-def test_gguf_keeps_float_precision_and_dequantizes_to_bf16(llama31, tmp_path):
+def test_gguf_keeps_float_precision_and_quantized_blocks(llama31, tmp_path):
     path = tmp_path / "q8.gguf"
     _write_gguf_from_hf(llama31, path, quantize_matrices=True)
     convert_gguf_to_hf_folder(path, tmp_path / "out")
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as checkpoint:
-        dtypes = {name: checkpoint.get_tensor(name).dtype for name in checkpoint.keys()}
-    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16  # Q8_0 in the file
-    assert dtypes["model.norm.weight"] == torch.float32  # F32 in the file
-    assert "rope_freqs.weight" not in dtypes and torch.float32 not in {
-        dtype for name, dtype in dtypes.items() if not name.endswith("norm.weight")}
+        tensors = {name: checkpoint.get_tensor(name) for name in checkpoint.keys()}
+    file_tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(path).tensors}
+    # Q8_0 in the file: its blocks, byte for byte (v's rows are not permuted), typed in config.json
+    assert torch.equal(tensors["model.layers.0.self_attn.v_proj.weight"],
+                       torch.from_numpy(np.array(file_tensors["blk.0.attn_v.weight"].data)))
+    config = ModelConfig.from_hf(__import__("json").loads((tmp_path / "out" / "config.json").read_text()))
+    assert config.quantization.method == "gguf" and dict(config.quantization.tensor_types) == {"Q8_0": 16}  # 7 matrices a layer, the embedding, the output
+    assert tensors["model.norm.weight"].dtype == torch.float32  # F32 in the file
+    assert "rope_freqs.weight" not in tensors
+
+
+def test_gguf_unsupported_type_is_refused_by_name(llama31, tmp_path):
+    path = tmp_path / "q2.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 84), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from engine.gguf_import import _hf_tensors
+
+    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(path).tensors}
+    with pytest.raises(ValueError, match=r"type Q2_K.*supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K"):
+        _hf_tensors("llama", tensors, {"num_attention_heads": 1, "num_key_value_heads": 1})
 
 
 @pytest.mark.parametrize(("kind", "extra", "expected"), [

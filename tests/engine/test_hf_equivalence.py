@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import save_random_hf_model
+from tests.conftest import hf_smollm2, save_random_hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def smollm2_case(smollm2_folder):
         tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
         for q in QUESTIONS
     ]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
+    hf = hf_smollm2()
     expected = hf_greedy(hf, prompts, MAX_TOKENS, tokenizer.eos_token_id)
     return str(smollm2_folder), prompts, expected
 
@@ -176,7 +176,7 @@ def hf_beams(smollm2_folder, smollm2_case) -> dict[float, list[list[list[int]]]]
 
     _, prompts, _ = smollm2_case
     eos = Tokenizer.from_folder(smollm2_folder).eos_token_id
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
+    hf = hf_smollm2()
     return {
         penalty: [hf_beam_search(hf, prompt, penalty, n=2, eos=eos) for prompt in prompts[:BEAM_PROMPTS]]
         for penalty in LENGTH_PENALTIES

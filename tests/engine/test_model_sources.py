@@ -1,4 +1,4 @@
-"""Model sources: the bundled SmolLM2 GGUF converted to a Hugging Face folder, its tokenizer, other GGUFs, named
+"""Model sources: the bundled SmolLM2 GGUF converted to a folder (its quantized blocks kept), its tokenizer, other GGUFs, named
 dummy shapes, safetensors streaming and random weights. transformers is the oracle throughout."""
 
 from __future__ import annotations
@@ -192,18 +192,34 @@ def test_chat_template_helpers(smollm2: ModelSource, tmp_path: Path) -> None:
         tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
-# ---- the converted folder is a real Hugging Face checkpoint ------------------------------------
+# ---- the converted folder runs the file's own values ---------------------------------------------
 
 
 @pytest.mark.slow
-def test_transformers_loads_folder_and_answers(smollm2: ModelSource, tokenizer: Tokenizer) -> None:
-    # A wrong q/k un-permutation scrambles RoPE and the model stops making sense, so this checks it end to end.
-    model = transformers.LlamaForCausalLM.from_pretrained(smollm2.path, dtype=torch.float32)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    input_ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
-    with torch.no_grad():
-        output = model.generate(input_ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(output[0, input_ids.shape[1]:].tolist())
+def test_bundled_gguf_in_float32_matches_transformers_reading_the_file(
+    smollm2: ModelSource, tokenizer: Tokenizer
+) -> None:
+    """The folder keeps the file's Q4_1 / Q8_0 blocks, dequantized exactly as they are multiplied, so a float32 run
+    equals transformers dequantizing the GGUF itself to float32, token for token; a wrong q/k un-permutation would
+    scramble RoPE and the answer would stop naming Paris."""
+    from engine import LLM, SamplingParams
+    from tests.conftest import hf_smollm2
+
+    questions = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain."]
+    prompts = [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in questions
+    ]
+    model = hf_smollm2(torch.float32)
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            output = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+        expected.append(output[0, len(prompt):].tolist())
+    llm = LLM(model=str(smollm2.path), dtype="float32", device="cpu")
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)  # both stop at EOS
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert "Paris" in tokenizer.decode(expected[0])
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from engine import LLM, SamplingParams
 from engine.sampler import SamplingRow, process_logits
 from engine.structured_output import StructuredOutputParams
 from kernels.cpu_kernels import load_cpu_kernels
+from tests.conftest import hf_smollm2
 from tests.engine.test_hf_equivalence import check_setup_exercised
 
 ADDRESS = {
@@ -327,7 +328,7 @@ def oracle_case(smollm2_folder):
 
     tokenizer = Tokenizer.from_folder(smollm2_folder)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_folder)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
+    hf = hf_smollm2()
     eos = hf.config.eos_token_id
     info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=hf.config.vocab_size, stop_token_ids=[eos])
     compiler = xgrammar.GrammarCompiler(info)

@@ -22,12 +22,14 @@ from engine import LLM, SamplingParams
 from engine.attention import TorchAttention
 from engine.config import ModelConfig
 from engine.distributed import TensorParallelGroup, building_with
-from engine.loader import iter_safetensors, iter_safetensors_slices
+from engine.loader import iter_safetensors, iter_safetensors_slices, with_gguf_blocks
 from engine.model_registry import DUMMY_SHAPES
 from engine.model_shard import rank_model_config
 from engine.models import MODEL_CLASSES
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM, SparseMoeBlock
+from engine.quantization import building_quantized
+from engine.quantization.gguf import GGUFTensor
 from engine.tensor_parallel import RankFailure
 from tests.conftest import save_random_hf_model
 from tests.engine.test_hf_equivalence import MAX_TOKENS as HF_MAX_TOKENS
@@ -159,13 +161,17 @@ class Unreduced(TensorParallelGroup):
 def load_rank_shards(
     folder: Path, config: ModelConfig, size: int, group: type[TensorParallelGroup] = TensorParallelGroup
 ) -> tuple[list[LlamaForCausalLM], dict[str, list[int]]]:
-    """Every rank's model loaded from `folder`'s safetensors, and the elements each rank read of each tensor."""
+    """Every rank's model loaded from `folder`'s safetensors (an imported GGUF's blocks kept), and the elements
+    each rank read of each tensor (bytes of a block tensor)."""
     read: dict[str, list[int]] = {}
     shards = []
+    hf_config = json.loads((folder / "config.json").read_text())
     for rank in range(size):
-        with building_with(group(rank=rank, size=size)):
+        with building_with(group(rank=rank, size=size)), building_quantized(config.quantization):
             model = MODEL_CLASSES[config.architecture](config, TorchAttention(use_cpu_kernels=False))
-        model.load_weights((name, CountingSlice(name, s, read)) for name, s in iter_safetensors_slices(folder))
+        counted = ((name, CountingSlice(name, s, read)) for name, s in iter_safetensors_slices(folder))
+        model.load_weights(with_gguf_blocks(counted, hf_config))
+        model.process_weights_after_loading(pack_for_cpu=False)
         shards.append(model)
     return shards, read
 
@@ -183,20 +189,19 @@ def test_each_rank_reads_only_its_shard_and_the_shards_make_the_whole_model(smol
             assert max(read[name]) < tensor.numel(), name
         else:  # norms are replicated
             assert read[name] == [tensor.numel()] * size, name
-    # The shards, put back together, are the checkpoint.
+    # The shards, put back together, are the checkpoint: the projections' Q4_1 blocks byte for byte, the Q8_0
+    # embedding dequantized.
     layer = "model.layers.0"
     q_rows = config.num_attention_heads * config.head_dim // size
     kv_rows = config.num_key_value_heads * config.head_dim // size
-    qkv = [shard[f"{layer}.self_attn.qkv_proj.weight"] for shard in shards]
+    qkv = [model.model.layers[0].self_attn.qkv_proj.gguf_pieces[0].weight for model in models]
     assert torch.equal(torch.cat([w[:q_rows] for w in qkv]), full[f"{layer}.self_attn.q_proj.weight"])
     assert torch.equal(torch.cat([w[q_rows : q_rows + kv_rows] for w in qkv]), full[f"{layer}.self_attn.k_proj.weight"])
     assert torch.equal(torch.cat([w[q_rows + kv_rows :] for w in qkv]), full[f"{layer}.self_attn.v_proj.weight"])
-    down = torch.cat([shard[f"{layer}.mlp.down_proj.weight"] for shard in shards], dim=1)
+    down = torch.cat([model.model.layers[0].mlp.down_proj.gguf_pieces[0].weight for model in models], dim=1)
     assert torch.equal(down, full[f"{layer}.mlp.down_proj.weight"])
     embed = torch.cat([shard["model.embed_tokens.weight"] for shard in shards])
-    assert torch.equal(embed[: config.vocab_size], full["model.embed_tokens.weight"])
-    total = sum(p.numel() for shard in shards for name, p in shard.items() if p.ndim == 2)
-    assert total == sum(t.numel() for t in full.values() if t.ndim == 2)
+    assert torch.equal(embed[: config.vocab_size], GGUFTensor(full["model.embed_tokens.weight"], "Q8_0")[:])
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])

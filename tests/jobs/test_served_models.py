@@ -97,6 +97,24 @@ def test_the_registry_lists_every_worker_model_and_routes_validation_to_its_work
         redis.delete(*redis.keys(f"{prefix}*") or [f"{prefix}none"])
 
 
+def test_a_quantized_model_shows_how_it_runs_in_v1_models() -> None:
+    from api.models import ModelObject
+    from engine.config import weight_only_quantization
+
+    redis = Redis.from_url("redis://127.0.0.1:6379/0")
+    prefix = f"test-{secrets.token_hex(4)}:"
+    quantization = {"quantization": weight_only_quantization("int4", 64).describe()}
+    try:
+        registry = ModelRegistry(redis, prefix)
+        registry.announce(process_models(["tiny-int4"], "all-minilm-l6-v2", generation_metadata=quantization))
+        served = {model.id: model for model in registry.served()}
+        listed = ModelObject.of("tiny-int4", served["tiny-int4"]).model_dump()
+        assert listed["metadata"] == {"quantization": {"method": "int4", "bits": 4, "group_size": 64}}
+        assert ModelObject.of("all-minilm-l6-v2", served["all-minilm-l6-v2"]).model_dump()["metadata"] == {}
+    finally:
+        redis.delete(*redis.keys(f"{prefix}*") or [f"{prefix}none"])
+
+
 def test_a_model_leaves_the_registry_once_no_worker_re_announces_it() -> None:
     redis = Redis.from_url("redis://127.0.0.1:6379/0")
     prefix = f"test-{secrets.token_hex(4)}:"

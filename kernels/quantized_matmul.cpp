@@ -1,0 +1,189 @@
+// Matmuls of quantized weights that dequantize on the fly (GGUF blocks, weight-only int8 / int4 groups).
+// The body (quantized_matmul_body.h) is compiled three times: for AVX-512, for AVX2 + FMA, and portable; the
+// instruction set is chosen at run time from what the CPU reports (or forced by the caller, which is how the
+// tests run every path on one machine). Built without -march=native so the one build runs on any x86-64.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+// ggml's type ids, and the two weight-only group formats (ids of our own, outside ggml's range).
+enum class Kind : int {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, INT8 = 1008, INT4 = 1004,
+};
+
+struct Format {
+  Kind kind;
+  int block_values;  // values per block (the group size for INT8 / INT4)
+  int block_bytes;
+};
+
+Format format_of(int64_t kind, int64_t group) {
+  switch (static_cast<Kind>(kind)) {
+    case Kind::Q4_0: return {Kind::Q4_0, 32, 18};
+    case Kind::Q4_1: return {Kind::Q4_1, 32, 20};
+    case Kind::Q5_0: return {Kind::Q5_0, 32, 22};
+    case Kind::Q5_1: return {Kind::Q5_1, 32, 24};
+    case Kind::Q8_0: return {Kind::Q8_0, 32, 34};
+    case Kind::Q4_K: return {Kind::Q4_K, 256, 144};
+    case Kind::Q5_K: return {Kind::Q5_K, 256, 176};
+    case Kind::Q6_K: return {Kind::Q6_K, 256, 210};
+    case Kind::INT8: return {Kind::INT8, (int)group, 4 + (int)group};
+    case Kind::INT4: return {Kind::INT4, (int)group, 4 + (int)group / 2};
+  }
+  TORCH_CHECK(false, "quantized matmul: unknown weight format id ", kind);
+}
+
+// IEEE half to float, exactly (subnormal halves become normal floats).
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0) {
+    const float magnitude = (float)mantissa * (1.0f / 16777216.0f);  // mantissa * 2^-24
+    return sign ? -magnitude : magnitude;
+  }
+  bits = exponent == 31 ? (sign | 0x7F800000u | (mantissa << 13)) : (sign | ((exponent + 112) << 23) | (mantissa << 13));
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+constexpr int64_t kTileRows = 16;  // weight rows dequantized at a time: 16 x 4 KiB columns fit L2
+
+}  // namespace
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
+namespace isa_avx512 {
+#define VEC_FLOATS 16
+#include "quantized_matmul_body.h"
+#undef VEC_FLOATS
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace isa_avx2 {
+#define VEC_FLOATS 8
+#include "quantized_matmul_body.h"
+#undef VEC_FLOATS
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#endif
+
+namespace isa_portable {
+#define VEC_FLOATS 4
+#include "quantized_matmul_body.h"
+#undef VEC_FLOATS
+}  // namespace isa_portable
+
+namespace {
+
+enum class Isa { Portable, Avx2, Avx512 };
+
+Isa best_isa() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return Isa::Avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
+#endif
+  return Isa::Portable;
+}
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::Avx512 ? "avx512" : isa == Isa::Avx2 ? "avx2" : "portable";
+}
+
+Isa parse_isa(const std::string& name) {
+  const Isa best = best_isa();
+  if (name == "auto") return best;
+  Isa wanted;
+  if (name == "avx512") wanted = Isa::Avx512;
+  else if (name == "avx2") wanted = Isa::Avx2;
+  else if (name == "portable") wanted = Isa::Portable;
+  else TORCH_CHECK(false, "isa must be auto, avx512, avx2 or portable; got ", name);
+  TORCH_CHECK((int)wanted <= (int)best, "this CPU cannot run the ", name, " path (best: ", isa_name(best), ")");
+  return wanted;
+}
+
+void check_weight(const torch::Tensor& weight, const Format& format, int64_t columns) {
+  TORCH_CHECK(weight.dtype() == torch::kUInt8 && weight.dim() == 2 && weight.is_contiguous(),
+              "quantized weight must be a contiguous uint8 [rows, row_bytes] tensor");
+  TORCH_CHECK(columns % format.block_values == 0, "columns (", columns, ") must be a multiple of the block size (",
+              format.block_values, ")");
+  TORCH_CHECK(weight.size(1) == columns / format.block_values * format.block_bytes, "row of ", weight.size(1),
+              " bytes does not hold ", columns, " values of this format");
+}
+
+}  // namespace
+
+// float32 [rows, columns] values of the quantized rows.
+torch::Tensor dequantize(const torch::Tensor& weight, int64_t kind, int64_t group, int64_t columns, const std::string& isa_choice) {
+  const Format format = format_of(kind, group);
+  check_weight(weight, format, columns);
+  const Isa isa = parse_isa(isa_choice);
+  const int64_t rows = weight.size(0), row_bytes = weight.size(1);
+  auto out = torch::empty({rows, columns}, torch::kFloat32);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    switch (isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+      case Isa::Avx512: isa_avx512::dequantize_rows(format, w, row_bytes, columns, begin, end, y); break;
+      case Isa::Avx2: isa_avx2::dequantize_rows(format, w, row_bytes, columns, begin, end, y); break;
+#endif
+      default: isa_portable::dequantize_rows(format, w, row_bytes, columns, begin, end, y);
+    }
+  });
+  return out;
+}
+
+// x [tokens, columns] float32 times the dequantized weight [rows, columns] transposed: [tokens, rows] float32.
+torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t kind, int64_t group, const std::string& isa_choice) {
+  const Format format = format_of(kind, group);
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [tokens, columns]");
+  const int64_t tokens = x.size(0), columns = x.size(1), rows = weight.size(0), row_bytes = weight.size(1);
+  check_weight(weight, format, columns);
+  const Isa isa = parse_isa(isa_choice);
+  auto out = torch::empty({tokens, rows}, torch::kFloat32);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  // Whole tiles per task, so threads never share a tile.
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scratch(kTileRows * columns);
+    const int64_t begin = first * kTileRows, end = std::min(rows, last * kTileRows);
+    switch (isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+      case Isa::Avx512:
+        isa_avx512::matmul_rows(format, xp, tokens, w, row_bytes, columns, begin, end, o, rows, scratch.data());
+        break;
+      case Isa::Avx2:
+        isa_avx2::matmul_rows(format, xp, tokens, w, row_bytes, columns, begin, end, o, rows, scratch.data());
+        break;
+#endif
+      default: isa_portable::matmul_rows(format, xp, tokens, w, row_bytes, columns, begin, end, o, rows, scratch.data());
+    }
+  });
+  return out;
+}
+
+std::string best_isa_name() { return isa_name(best_isa()); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dequantize", &dequantize, "float32 values of quantized rows");
+  m.def("matmul", &matmul, "x @ dequantize(weight).T, dequantizing a tile of rows at a time");
+  m.def("best_isa", &best_isa_name, "the widest instruction set this CPU runs: avx512, avx2 or portable");
+}

@@ -1,0 +1,104 @@
+"""Matmuls of quantized weights on the CPU (`quantized_matmul.cpp`), dequantizing on the fly, and their torch
+reference.
+
+A weight is a uint8 [rows, row_bytes] tensor of blocks, each row the blocks of one output feature: GGUF's
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K exactly as llama.cpp stores them, or the weight-only groups of
+engine/quantization/weight_only.py (INT8, INT4: a float32 scale then the group's values). `matmul` dequantizes
+16 rows at a time into float32 and multiplies them by every token while they sit in cache (4 tokens x 4 rows of
+register accumulators), so a decode step reads the weight's bytes once, a quarter to a half of bf16's.
+Dequantization gives bit for bit gguf-py's float32 values (see the .cpp); the products are float32 sums in
+another order than torch's matmul.
+
+The C++ body is compiled for AVX-512, for AVX2 + FMA and portably, and `isa="auto"` takes the widest the CPU
+runs; tests force each path by name. The reference: dequantize (gguf-py's `gguf.quants.dequantize` for GGUF
+blocks, the weight-only formula for groups) in float32, then torch's matmul.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kernels.cpu_kernels import build_digest
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
+_BODY = Path(__file__).with_name("quantized_matmul_body.h")
+
+Isa = Literal["auto", "avx512", "avx2", "portable"]
+
+# Weight formats by name: (format id the C++ kernels know, values per block, bytes per block); for INT8 and INT4
+# the values per block are the group size, given with each call.
+GGUF_FORMATS: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+}
+INT8, INT4 = 1008, 1004
+
+
+@cache
+def load_quantized_kernels() -> ModuleType:
+    """The compiled extension. Unlike the optional CPU kernels there is no torch path to keep: a quantized model
+    needs it, so a failed build raises (with the compiler's message)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=f"conveyor_quantized_matmul_{build_digest(_SOURCE, _BODY)}",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3"],  # no -march=native: each path is compiled for its own instruction set
+    )
+
+
+def best_isa() -> str:
+    """The path `isa="auto"` runs on this CPU: avx512, avx2 or portable."""
+    return load_quantized_kernels().best_isa()
+
+
+def format_id(name: str) -> int:
+    return GGUF_FORMATS[name][0]
+
+
+def dequantize(weight: torch.Tensor, format_id: int, group: int, columns: int, isa: Isa = "auto") -> torch.Tensor:
+    """float32 [rows, columns] values of uint8 [rows, row_bytes] blocks (`group`: INT8 / INT4 only, else 0)."""
+    return load_quantized_kernels().dequantize(weight, format_id, group, columns, isa)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, isa: Isa = "auto") -> torch.Tensor:
+    """x [tokens, columns] float32 @ dequantize(weight).T -> [tokens, rows] float32."""
+    return load_quantized_kernels().matmul(x, weight, format_id, group, isa)
+
+
+def gguf_dequantize_reference(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """gguf-py's float32 values of GGUF blocks [rows, row_bytes] of type `name`."""
+    import gguf
+
+    values = gguf.quants.dequantize(weight.numpy(), gguf.GGMLQuantizationType[name])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def matmul_reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
+    """The oracle of `matmul`: float32 matmul of the dequantized weight."""
+    return x.float() @ dequantized.T
+
+
+# Above this many tokens a step dequantizes the weight and runs torch's matmul instead (prefill): the on-the-fly
+# kernel wins by reading fewer bytes, which matters while few tokens share each weight read.
+DEQUANTIZE_ABOVE_TOKENS = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, columns: int) -> torch.Tensor:
+    """x [..., columns] @ dequantize(weight).T in x's dtype, for a layer: the on-the-fly kernel for decode-size
+    steps, dequantize-then-matmul (torch's, in x's dtype) for large ones."""
+    tokens = x.reshape(-1, columns)
+    if tokens.shape[0] > DEQUANTIZE_ABOVE_TOKENS:
+        out = torch.nn.functional.linear(tokens, dequantize(weight, format_id, group, columns).to(x.dtype))
+    else:
+        out = matmul(tokens.float().contiguous(), weight, format_id, group).to(x.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])

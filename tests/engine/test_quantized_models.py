@@ -1,0 +1,174 @@
+"""Quantized models end to end, float32 oracles:
+
+- a GGUF whose matrices are quantized (every supported type, a fused q/k/v of three different types, the K-quants
+  as random blocks since gguf-py has no quantizer for them) generates what transformers generates from the same
+  file (`from_pretrained(gguf_file=...)`, which dequantizes with gguf-py to float32), token for token;
+- int8 / int4 weight-only quantization at load generates what the dequantized model (its weights replaced by
+  the dequantized values, loaded unquantized) generates, token for token, batched and with chunked prefill;
+- what the quantization is shows in the engine's config; the wrong asks fail by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine import LLM, SamplingParams
+from engine.quantization.weight_only import dequantize_rows_reference, quantize_rows
+from tests.engine.test_gguf_import import PROMPTS, _hf_generate, _permute, _write_vocabulary
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+_K_QUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's f16 scales
+
+
+def random_blocks(rows: int, columns: int, type_name: str, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row_bytes] of `type_name`: gguf-py's quantizer where it has one, else random bytes whose f16
+    scales are set small (any bytes are valid K-quant blocks)."""
+    quant_type = gguf.GGMLQuantizationType[type_name]
+    values = rng.standard_normal((rows, columns)).astype(np.float32) * 0.15
+    if type_name not in _K_QUANT_SCALES:
+        return gguf.quants.quantize(values, quant_type)
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[quant_type]
+    blocks = rng.integers(0, 256, (rows, columns // block_values, block_bytes), dtype=np.uint8)
+    for offset in _K_QUANT_SCALES[type_name]:
+        scales = (rng.random(blocks.shape[:2]) * 4e-4 + 1e-4).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
+# Each matrix's type: every supported one, q/k/v three different types (one fused projection, three pieces).
+_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
+          "ffn_up": "Q4_1", "ffn_down": "Q5_0", "output": "Q5_1", "token_embd": "Q8_0"}
+
+
+def write_quantized_gguf(path: Path) -> None:
+    """A two-layer `llama` GGUF (hidden 256, the K-quants' block) with the matrices quantized per `_TYPES`."""
+    hidden, heads, kv_heads, ffn, vocab = 256, 4, 2, 512, 300
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    _write_vocabulary(writer, vocab, sentencepiece=False)
+
+    def matrix(name: str, kind: str, rows: int, columns: int) -> None:
+        blocks = random_blocks(rows, columns, _TYPES[kind], rng)
+        if kind in ("attn_q", "attn_k"):  # llama.cpp's row order, as its converter writes it; whole rows move
+            blocks = _permute(blocks, heads if kind == "attn_q" else kv_heads)
+        writer.add_tensor(name, np.ascontiguousarray(blocks), raw_dtype=gguf.GGMLQuantizationType[_TYPES[kind]])
+
+    matrix("token_embd.weight", "token_embd", vocab, hidden)
+    matrix("output.weight", "output", vocab, hidden)
+    writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (hidden // 2, hidden), "attn_v": (hidden // 2, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
+              "ffn_down": (hidden, ffn)}
+    for layer in range(2):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        for kind, (rows, columns) in shapes.items():
+            matrix(f"blk.{layer}.{kind}.weight", kind, rows, columns)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_quantized_gguf_matches_transformers_in_float32(tmp_path):
+    path = tmp_path / "mixed.gguf"
+    write_quantized_gguf(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    expected = _hf_generate(reference.eval(), PROMPTS, GREEDY.max_tokens)
+    llm = LLM(model=str(path), dtype="float32", device="cpu", max_num_batched_tokens=64)  # chunked prefill
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    quantization = llm.engine.model_config.quantization
+    assert quantization.describe()["tensor_types"] == {"Q4_0": 2, "Q4_1": 2, "Q4_K": 2, "Q5_0": 2, "Q5_1": 1,
+                                                       "Q5_K": 2, "Q6_K": 2, "Q8_0": 3}
+    # q, k and v are three pieces of one fused projection; gate and up two; blocks kept, no float copy
+    qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj
+    assert [piece.weight.dtype for piece in qkv.gguf_pieces] == [torch.uint8] * 3 and not hasattr(qkv, "weight")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_folder(tmp_path_factory) -> Path:
+    """A random float32 Llama saved as a Hugging Face folder (with the tokenizer of the GGUF tests' vocabulary
+    not needed: prompts are token ids)."""
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" not in name:
+                parameter.normal_(0.0, 0.15)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.float().save_pretrained(folder)
+    return folder
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def _dequantized_copy(folder: Path, out: Path, bits: int, group_size: int) -> Path:
+    """The folder with each projection's weight replaced by its quantize -> dequantize round trip."""
+    from safetensors.torch import load_file
+
+    out.mkdir()
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name, weight in tensors.items():
+        if any(f"{projection}.weight" in name for projection in _PROJECTIONS):
+            blocks = quantize_rows(weight, bits, group_size)
+            tensors[name] = dequantize_rows_reference(blocks, bits, group_size, weight.shape[1])
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_weight_only_matches_the_dequantized_model(method, tiny_llama_folder, tmp_path):
+    group_size = 32
+    options = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, quantization_group_size=group_size)
+    dequantized = _dequantized_copy(tiny_llama_folder, tmp_path / "dequantized", int(method[3:]), group_size)
+    expected = LLM(model=str(dequantized), dtype="float32", device="cpu", max_num_batched_tokens=64)
+    quantized = LLM(model=str(tiny_llama_folder), quantization=method, **options)
+    want = [o.outputs[0].token_ids for o in expected.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want
+    described = quantized.engine.model.model.layers[0].mlp.down_proj
+    assert described.qweight.dtype == torch.uint8 and not hasattr(described, "weight")
+
+
+def test_wrong_quantization_asks_fail_by_name(tiny_llama_folder, tmp_path):
+    with pytest.raises(ValueError, match=r"quantization 'int3' is not supported; supported: int8, int4"):
+        LLM(model=str(tiny_llama_folder), dtype="float32", device="cpu", quantization="int3")
+    with pytest.raises(ValueError, match=r"quantization_group_size 48 does not divide a projection's 128 input features"):
+        LLM(model=str(tiny_llama_folder), dtype="float32", device="cpu", quantization="int4",
+            quantization_group_size=48)
+    path = tmp_path / "mixed.gguf"
+    write_quantized_gguf(path)
+    with pytest.raises(ValueError, match=r"applies to unquantized checkpoints; this model is already quantized \(gguf\)"):
+        LLM(model=str(path), dtype="float32", device="cpu", quantization="int8")
+    config = json.loads((tiny_llama_folder / "config.json").read_text())
+    assert "quantization_config" not in config
