@@ -57,6 +57,17 @@ def chat_line(**body: Any) -> str:
     return json.dumps({"custom_id": "think", "method": "POST", "url": "/v1/chat/completions", "body": body})
 
 
+def responses_line(**body: Any) -> str:
+    body = {"instructions": "Be brief.", "input": "Name a colour.", "max_output_tokens": 64, **body}
+    return json.dumps({"custom_id": "think", "method": "POST", "url": "/v1/responses", "body": body})
+
+
+def anthropic_line(**params: Any) -> str:
+    params = {"model": "smollm2", "max_tokens": 64, "system": "Be brief.",
+              "messages": [{"role": "user", "content": "Name a colour."}], **params}
+    return json.dumps({"custom_id": "think", "method": "POST", "url": "/v1/messages", "body": params})
+
+
 def validated(tokenizer: Tokenizer, text: str) -> BatchRequest:
     request = BatchLineValidator(tokenizer, 2048, models=SERVED).validate(text)
     assert isinstance(request, BatchRequest), request
@@ -88,6 +99,53 @@ def test_templates_render_as_transformers_does_and_say_whether_the_answer_thinks
 def test_chat_template_kwargs_cannot_replace_what_conveyor_passes() -> None:
     refused = BatchLineValidator(WordTokenizer(), 64, models=SERVED).validate(chat_line(chat_template_kwargs={"messages": []}))
     assert not isinstance(refused, BatchRequest) and "set by conveyor itself" in refused.message
+
+
+@pytest.mark.parametrize("template, line, switch", [
+    (QWEN3_GENERATION_PROMPT, chat_line(reasoning_effort="none"), False),
+    (QWEN3_GENERATION_PROMPT, chat_line(reasoning_effort="minimal"), False),
+    (QWEN3_GENERATION_PROMPT, chat_line(reasoning_effort="low"), True),
+    (QWEN3_GENERATION_PROMPT, chat_line(reasoning_effort="xhigh", chat_template_kwargs={"enable_thinking": True}), True),
+    (QWEN3_GENERATION_PROMPT, responses_line(reasoning={"effort": "none"}), False),
+    (QWEN3_GENERATION_PROMPT, responses_line(reasoning={"effort": "medium"}), True),
+    (QWEN3_GENERATION_PROMPT, anthropic_line(thinking={"type": "disabled"}), False),
+    (QWEN3_GENERATION_PROMPT, anthropic_line(thinking={"type": "enabled", "budget_tokens": 64}), True),  # cannot bind
+    (R1_TEMPLATE, chat_line(reasoning_effort="high"), None),  # R1 always thinks: asking it to is honoured as is
+    (R1_TEMPLATE, anthropic_line(thinking={"type": "enabled"}), None),
+], ids=["none", "minimal", "low", "xhigh-agreeing", "responses-none", "responses-medium", "anthropic-disabled",
+        "anthropic-enabled", "r1-high", "r1-anthropic-enabled"])
+def test_effort_and_anthropics_thinking_set_the_templates_switch(
+    smollm2_folder: Path, tmp_path: Path, template: str, line: str, switch: bool | None
+) -> None:
+    import transformers
+
+    folder = templated_folder(smollm2_folder, tmp_path / "templated", template)
+    variables = {} if switch is None else {"enable_thinking": switch}
+    expected = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False, **variables
+    )
+    tokenizer = Tokenizer.from_folder(folder)
+    request = validated(tokenizer, line)
+    assert request.prompts == [tokenizer.encode(expected, add_special_tokens=False)]
+    assert (request.reasoning is not None) == (switch is not False)
+
+
+@pytest.mark.parametrize("template, line, words", [
+    (R1_TEMPLATE, chat_line(reasoning_effort="none"),
+     "reasoning_effort='none' asks for no thinking, but this model's chat template always thinks"),
+    (R1_TEMPLATE, responses_line(reasoning={"effort": "minimal"}), "reasoning.effort='minimal' asks for no thinking"),
+    (R1_TEMPLATE, anthropic_line(thinking={"type": "disabled"}), "thinking.type='disabled' asks for no thinking"),
+    (QWEN3_GENERATION_PROMPT, chat_line(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}),
+     "reasoning_effort='high' contradicts chat_template_kwargs enable_thinking=False"),
+    (QWEN3_GENERATION_PROMPT, anthropic_line(thinking={"type": "enabled", "budget_tokens": 16}),
+     "thinking.budget_tokens=16 is not supported below max_tokens (64)"),
+], ids=["r1-none", "r1-minimal", "r1-disabled", "contradiction", "budget"])
+def test_thinking_a_template_cannot_do_as_asked_fails_its_line(
+    smollm2_folder: Path, tmp_path: Path, template: str, line: str, words: str
+) -> None:
+    tokenizer = Tokenizer.from_folder(templated_folder(smollm2_folder, tmp_path / "templated", template))
+    refused = BatchLineValidator(tokenizer, 2048, models=SERVED).validate(line)
+    assert not isinstance(refused, BatchRequest) and words in refused.message, refused
 
 
 @pytest.mark.parametrize("text, plan, split", [
