@@ -284,6 +284,7 @@ class ResponsesBody(StrictBody):
             )
             or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []],
+            "reasoning": self.reasoning.model_dump() if self.reasoning is not None else None,
         }
 
 
@@ -372,6 +373,7 @@ class ResponseObject(AnswerBody):
     tool_choice: Literal["none", "auto", "required"] | dict[str, str]
     tools: list[dict[str, Any]]
     text: ResponseTextFormat = Field(default_factory=ResponseTextFormat)
+    reasoning: ReasoningConfig | None = None  # the request's, repeated
     truncation: Literal["disabled"] = "disabled"
     metadata: dict[str, str]
     user: str | None

@@ -141,6 +141,10 @@ def test_effort_and_anthropics_thinking_set_the_templates_switch(
     request = validated(tokenizer, line)
     assert request.prompts == [tokenizer.encode(expected, add_special_tokens=False)]
     assert (request.reasoning is not None) == (switch is not False)
+    if request.url == "/v1/responses":  # the response object repeats the request's reasoning, as OpenAI's does
+        sample = FakeSample(0, "Red.", [15], "stop")
+        body = as_json(response_record(request, [FakeResult([1], [sample])], model="m", tokenizer=SampleWords()))
+        assert body["response"]["body"]["reasoning"] == json.loads(line)["body"]["reasoning"]
 
 
 @pytest.mark.parametrize("template, line, words", [
