@@ -7,7 +7,9 @@ tool turns, so a multi-turn tool conversation can be sent whole. `tools` (`input
 answer is Anthropic's `message`: a text block (when there is text, or no call), a `tool_use` block per call, a
 `stop_reason` (`end_turn`, `max_tokens`, `stop_sequence` with the `stop_sequence` that ended it, `tool_use`) and
 `usage`, whose `input_tokens` leave out what the prefix cache read (`cache_read_input_tokens`), as Anthropic counts.
-Every field is honoured or refused: image and document blocks (the engine reads text only), `thinking`, `stream`.
+`thinking` (`enabled` / `disabled`) switches a thinking template as OpenAI's `reasoning_effort` does
+(`jobs.openai_format.reasoning.thinking_variables`); its `budget_tokens` is refused where it could bind.
+Every field is honoured or refused: image and document blocks (the engine reads text only), `stream`.
 docs/anthropic_compatibility.md lists every field and what becomes of it.
 """
 
@@ -21,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from jobs.formats.base import Generation, GenerationResult, LineReader, parse_body, read_sample
+from jobs.openai_format.reasoning import ThinkingAsked
 from jobs.openai_format.requests import BatchRequest, ChatMessage, NotStreamed, PromptTokenizer, StrictBody
 from jobs.openai_format.responses import AnswerBody, TokenCounts
 from jobs.openai_format.tool_calls import (
@@ -175,6 +178,19 @@ class ToolChoiceParam(StrictBody):
         return {"auto": "auto", "any": "required", "none": "none"}[self.type]  # type: ignore[return-value]
 
 
+class ThinkingParam(StrictBody):
+    """Anthropic's `thinking`: on or off through the template's switch (`reasoning.thinking_variables`)."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1)  # tokens; only where it cannot bind (see MessagesBody)
+
+    @model_validator(mode="after")
+    def _budget_with_enabled(self) -> "ThinkingParam":
+        if self.budget_tokens is not None and self.type != "enabled":
+            raise ValueError('budget_tokens goes with type "enabled" only')
+        return self
+
+
 class Metadata(StrictBody):
     user_id: str | None = Field(default=None, max_length=256)  # Anthropic's abuse tracking; unused here
 
@@ -193,9 +209,24 @@ class MessagesBody(StrictBody):
     tool_choice: ToolChoiceParam | None = None
     stream: NotStreamed = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: this deployment
-    thinking: Annotated[
-        dict[str, Any] | None, _refused("thinking is not supported: this deployment's models do not think aloud")
-    ] = None
+    thinking: ThinkingParam | None = None
+
+    @model_validator(mode="after")
+    def _budget_cannot_bind(self) -> "MessagesBody":
+        # Nothing here stops the thinking at a token count; a budget is honoured exactly only where it cannot bind.
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        if budget is not None and budget < self.max_tokens:
+            raise ValueError(
+                f"thinking.budget_tokens={budget} is not supported below max_tokens ({self.max_tokens}): conveyor "
+                "cannot stop the thinking at a token count; leave budget_tokens out (or at least max_tokens) and "
+                "bound the whole answer, thinking included, with max_tokens"
+            )
+        return self
+
+    def thinking_asked(self) -> ThinkingAsked | None:
+        if self.thinking is None:
+            return None
+        return ThinkingAsked(on=self.thinking.type == "enabled", said_by=f"thinking.type={self.thinking.type!r}")
 
     def chat_messages(self) -> list[ChatMessage]:
         turns: list[ChatMessage] = []
@@ -276,7 +307,9 @@ class AnthropicMessages:
             choice.chat_tool_choice() if choice is not None else None,
             None if choice is None or choice.disable_parallel_tool_use is None else not choice.disable_parallel_tool_use,
         )
-        prompt = line.encode_chat(params.chat_messages(), tools if plan is not None else None)
+        prompt = line.encode_chat(
+            params.chat_messages(), tools if plan is not None else None, thinking=params.thinking_asked()
+        )
         generation = Generation(
             adapter=adapter,
             prompts=[prompt.token_ids],

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from engine.structured_output import StructuredOutputParams
-from jobs.openai_format.reasoning import ReasoningPlan, reasoning_token_count, split_reasoning
+from jobs.openai_format.reasoning import ReasoningPlan, ThinkingAsked, reasoning_token_count, split_reasoning
 from jobs.openai_format.requests import BatchRequest, ChatMessage, EmbeddingRequest, PromptTokenizer
 from jobs.openai_format.responses import AnswerBody, ErrorCode, TokenCounts
 from jobs.openai_format.tool_calls import Tool, ToolCall, ToolCallPlan, ToolChoice, parse_tool_calls
@@ -73,9 +73,14 @@ class LineReader(Protocol):
         ...
 
     def encode_chat(
-        self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: list[ChatMessage],
+        tools: list[Tool] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        thinking: ThinkingAsked | None = None,
     ) -> ChatPrompt:
-        """The conversation rendered (with the tools' prompt, and `template_kwargs` as the template's variables)."""
+        """The conversation rendered (with the tools' prompt, `template_kwargs` as the template's variables, and the
+        request's word on thinking as the template's switch: `jobs.openai_format.reasoning.thinking_variables`)."""
         ...
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]: ...

@@ -20,6 +20,7 @@ from jobs.formats.base import (
     read_sample,
     token_text,
 )
+from jobs.openai_format.reasoning import effort_asks
 from jobs.openai_format.requests import CHAT_COMPLETIONS, BatchRequest, ChatCompletionBody, PromptTokenizer
 from jobs.openai_format.responses import (
     AssistantMessage,
@@ -45,7 +46,12 @@ class ChatCompletions:
         chat = parse_body(ChatCompletionBody, body)
         adapter = line.check_model(chat.model, "generation")
         plan, constraint = line.with_tools(chat.constraint(), chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-        prompt = line.encode_chat(chat.messages, chat.tools if plan is not None else None, chat.chat_template_kwargs)
+        prompt = line.encode_chat(
+            chat.messages,
+            chat.tools if plan is not None else None,
+            chat.chat_template_kwargs,
+            effort_asks(chat.reasoning_effort, "reasoning_effort"),
+        )
         generation = Generation(
             adapter=adapter,
             prompts=[prompt.token_ids],

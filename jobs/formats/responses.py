@@ -27,7 +27,9 @@ class Responses:
             responses.chat_tool_choice(),
             responses.parallel_tool_calls if tools else None,  # without tools it asks nothing
         )
-        prompt = line.encode_chat(responses.messages(), tools if plan is not None else None)
+        prompt = line.encode_chat(
+            responses.messages(), tools if plan is not None else None, thinking=responses.thinking_asked()
+        )
         generation = Generation(
             adapter=adapter,
             prompts=[prompt.token_ids],

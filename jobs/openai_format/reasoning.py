@@ -10,18 +10,28 @@ The answer's format splits the generated text (`split_reasoning`): the thinking 
 tokens `reasoning_tokens`. An output constraint (structured output, tool calls) applies to the answer after the
 thinking, not to the thinking: it is wrapped in a structural tag that lets any text through up to `</think>` first
 (`after_thinking`).
+
+A request may also switch the thinking itself (`thinking_variables`): OpenAI's `reasoning_effort` /
+`reasoning.effort` ("none" and "minimal" off, "low" to "xhigh" on) and Anthropic's `thinking` ("disabled" off,
+"enabled" on) set the template's own switch where it has one (Qwen3's `enable_thinking`); a template without one
+does what it does, and a request asking otherwise is refused rather than ignored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from engine.structured_output import StructuredOutputParams
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+THINKING_SWITCH = "enable_thinking"  # Qwen3's template variable: false renders an empty, closed thinking block
+
+# OpenAI's values (chat's `reasoning_effort`, responses' `reasoning.effort`); the first two ask for no thinking
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+_NO_THINKING_EFFORTS = ("none", "minimal")
 
 
 class TextDecoder(Protocol):
@@ -42,6 +52,46 @@ class SplitText:
     reasoning: str | None  # None: the output did not think
     answer: str  # what follows the thinking ("" when the output was cut before it ended)
     finished_thinking: bool  # `</think>` was generated
+
+
+@dataclass(frozen=True)
+class ThinkingAsked:
+    """A request's own word on whether its answer thinks."""
+
+    on: bool
+    said_by: str  # the field and value that asked, for a refusal's message, e.g. "reasoning_effort='none'"
+
+
+def effort_asks(effort: ReasoningEffort | None, field: str) -> ThinkingAsked | None:
+    """OpenAI's effort as on or off: a template's switch has no degrees between."""
+    if effort is None:
+        return None
+    return ThinkingAsked(on=effort not in _NO_THINKING_EFFORTS, said_by=f"{field}={effort!r}")
+
+
+def thinking_variables(
+    chat_template: str | None, template_kwargs: Mapping[str, Any] | None, asked: ThinkingAsked | None
+) -> dict[str, Any]:
+    """The template's variables with the request's word on thinking set as its switch; ValueError where the template
+    cannot do what was asked (it has no switch and does the other thing), or `template_kwargs` already said otherwise."""
+    variables = dict(template_kwargs or {})
+    if asked is None:
+        return variables
+    if chat_template is not None and THINKING_SWITCH in chat_template:
+        given = variables.get(THINKING_SWITCH)
+        if given is not None and given != asked.on:
+            raise ValueError(f"{asked.said_by} contradicts chat_template_kwargs {THINKING_SWITCH}={given!r}")
+        variables[THINKING_SWITCH] = asked.on
+        return variables
+    thinks = chat_template is not None and THINK_END in chat_template
+    if asked.on and not thinks:
+        raise ValueError(f"{asked.said_by} asks for thinking, but this model's chat template does not think")
+    if not asked.on and thinks:
+        raise ValueError(
+            f"{asked.said_by} asks for no thinking, but this model's chat template always thinks and has no "
+            f"'{THINKING_SWITCH}' switch to turn it off"
+        )
+    return variables
 
 
 def reasoning_plan(chat_template: str | None, prompt_text: str) -> ReasoningPlan | None:

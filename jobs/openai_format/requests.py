@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputParams
-from jobs.openai_format.reasoning import ReasoningPlan
+from jobs.openai_format.reasoning import ReasoningEffort, ReasoningPlan
 from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
 from jobs.openai_format.tool_calls import ChatToolCall, Tool, ToolCallPlan, ToolChoice
 
@@ -192,6 +192,8 @@ class ChatCompletionBody(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Thinking off ("none", "minimal") or on (the rest), where the model's template can (`reasoning.thinking_variables`)
+    reasoning_effort: ReasoningEffort | None = None
     # vLLM's extension: variables for the chat template, e.g. Qwen3's {"enable_thinking": false}
     chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_free_template_variables)] | None = None
 

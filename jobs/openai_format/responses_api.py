@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from engine.structured_output import StructuredOutputParams
+from jobs.openai_format.reasoning import ReasoningEffort, ThinkingAsked, effort_asks
 from jobs.openai_format.responses import AnswerBody, TokenCounts
 from jobs.openai_format.requests import ChatMessage, NotStreamed, ServiceTier, StrictBody
 from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
@@ -177,6 +178,13 @@ def _refuse_if_set(message: str) -> Any:
     return AfterValidator(check)
 
 
+class ReasoningConfig(StrictBody):
+    """The Responses API's `reasoning`: its effort switches a thinking template (`reasoning.thinking_variables`); a
+    `summary` is refused (no summarizer here: the whole thinking comes back in the reasoning item)."""
+
+    effort: ReasoningEffort | None = None
+
+
 class ResponsesBody(StrictBody):
     model: str | None = None  # as for the other endpoints: a served model's name or alias
     input: Annotated[list[InputItem], BeforeValidator(_as_messages)]  # a string is one user message
@@ -190,6 +198,7 @@ class ResponsesBody(StrictBody):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None  # as on chat; without tools, nothing to call
     stream: NotStreamed = None
+    reasoning: ReasoningConfig | None = None
     # Accepted no-ops, as on chat completions: `metadata` tags the response, `user` names the end user,
     # `service_tier` picks OpenAI's processing tier.
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
@@ -238,6 +247,9 @@ class ResponsesBody(StrictBody):
         text_format = self.text.format if self.text is not None else None
         return constraint_from_request(text_format.response_format() if text_format is not None else None)
 
+    def thinking_asked(self) -> ThinkingAsked | None:
+        return effort_asks(self.reasoning.effort if self.reasoning is not None else None, "reasoning.effort")
+
     def messages(self) -> list[ChatMessage]:
         """The conversation the model is prompted with: the instructions as a system message, then the input. A
         function call joins the assistant turn before it (its text, then its calls, as chat writes one turn)."""
@@ -272,6 +284,7 @@ class ResponsesBody(StrictBody):
             )
             or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []],
+            "reasoning": self.reasoning.model_dump() if self.reasoning is not None else None,
         }
 
 
@@ -360,6 +373,7 @@ class ResponseObject(AnswerBody):
     tool_choice: Literal["none", "auto", "required"] | dict[str, str]
     tools: list[dict[str, Any]]
     text: ResponseTextFormat = Field(default_factory=ResponseTextFormat)
+    reasoning: ReasoningConfig | None = None  # the request's, repeated
     truncation: Literal["disabled"] = "disabled"
     metadata: dict[str, str]
     user: str | None

@@ -45,7 +45,7 @@ from jobs.formats.base import ChatPrompt, Generation, LineRejected
 from jobs.formats.registry import FORMATS
 from jobs.json_lines import UnreadableLine, load_json_line
 from jobs.openai_format.requests import BatchRequest, ChatMessage, EmbeddingRequest, PromptTokenizer
-from jobs.openai_format.reasoning import after_thinking, reasoning_plan
+from jobs.openai_format.reasoning import ThinkingAsked, after_thinking, reasoning_plan, thinking_variables
 from jobs.openai_format.responses import ErrorCode
 from jobs.openai_format.structured_output import ConstraintRejected
 from jobs.openai_format.tool_calls import (
@@ -222,7 +222,11 @@ class BatchLineValidator:
         return bias
 
     def encode_chat(
-        self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: list[ChatMessage],
+        tools: list[Tool] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        thinking: ThinkingAsked | None = None,
     ) -> ChatPrompt:
         # Templates rarely know OpenAI's newer "developer" role; it means what "system" always meant.
         # A message's `name` goes to the template too: templates that have a place for it (e.g. Llama 3's tool turns,
@@ -238,9 +242,13 @@ class BatchLineValidator:
         elif tools:
             conversation = generic_tool_prompt(conversation, tools)
         try:
+            variables = thinking_variables(self._tokenizer.chat_template, template_kwargs, thinking)
+        except ValueError as refusal:
+            raise LineRejected("invalid_body", str(refusal)) from None
+        try:
             tools_argument = {"tools": template_tools} if template_tools else {}
             text = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, **tools_argument, **(template_kwargs or {})
+                conversation, add_generation_prompt=True, **tools_argument, **variables
             )
         except Exception as failure:  # the template is the model's code; it may refuse a conversation by raising
             raise LineRejected("invalid_body", f"the model's chat template rejected 'messages': {failure}") from None

@@ -118,6 +118,13 @@ def test_what_cannot_run_is_refused_by_name() -> None:
         ),
         'name is required with type "tool"': line(tools=[WEATHER], tool_choice={"type": "tool"}),
         "tool_choice needs tools": line(tool_choice={"type": "any"}),
+        "thinking.type='enabled' asks for thinking, but this model's chat template does not think": line(
+            thinking={"type": "enabled"}
+        ),
+        "thinking.budget_tokens=4 is not supported below max_tokens (8)": line(
+            thinking={"type": "enabled", "budget_tokens": 4}
+        ),
+        'budget_tokens goes with type "enabled" only': line(thinking={"type": "disabled", "budget_tokens": 8}),
         "missing required parameter 'body.max_tokens'": json.dumps(
             {"custom_id": "m", "method": "POST", "url": MESSAGES, "body": {"model": "smollm2", "messages": []}}
         ),
