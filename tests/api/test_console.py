@@ -110,10 +110,14 @@ def test_state_changing_forms_need_the_sessions_csrf_token(console_stack: Stack)
     listed = browser.get("/console/batches", params={"status": "cancelling"}).text
     assert batch.id in listed and batch.id not in browser.get("/console/batches", params={"status": "failed"}).text
 
-    deleted = browser.post(f"/console/files/{batch.input_file_id}/delete", data={"csrf_token": csrf_token(browser)})
+    # A batch reads its input until it ends: the console refuses that delete as the API does, naming the batch.
+    in_use = browser.post(f"/console/files/{batch.input_file_id}/delete", data={"csrf_token": csrf_token(browser)})
+    assert in_use.status_code == 409 and batch.id in in_use.text
+    spare = client.files.create(file=("console-csrf-spare.jsonl", completion_file("console-csrf-spare", 1)[0]), purpose="batch")
+    deleted = browser.post(f"/console/files/{spare.id}/delete", data={"csrf_token": csrf_token(browser)})
     assert deleted.status_code == 200
     with pytest.raises(openai.NotFoundError):
-        client.files.retrieve(batch.input_file_id)
+        client.files.retrieve(spare.id)
 
 
 def test_signing_out_or_revoking_the_key_ends_the_session(console_stack: Stack) -> None:
