@@ -14,6 +14,7 @@ import pytest
 from conveyor.cli import main
 from conveyor.progress import ProgressLines
 from engine import Embedder
+from tests.conftest import hf_smollm2
 
 
 def request_line(custom_id: str, url: str, body: dict[str, Any]) -> str:
@@ -242,18 +243,17 @@ def test_run_answers_responses_lines_with_objects_the_sdk_parses(
 
 
 def test_run_serves_lora_adapters_beside_the_base_model(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], smollm2_folder: Path
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Lines of the base model and of two adapters (one through an `ft:`-style alias) in one file: each answered by
     what it names, and greedy output of an adapter line differs from the base's; an unknown adapter is
     model_not_found, not the base model."""
     import peft
     import torch
-    import transformers
 
     for name, seed in (("tone", 0), ("extract", 1)):
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
+        model = hf_smollm2()
         config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
         peft.get_peft_model(model, config).save_pretrained(tmp_path / name)
     chat = "/v1/chat/completions"

@@ -11,6 +11,7 @@ import torch
 from jobs.settings import Settings, replace
 from tests.api.test_batch_service import chat_line, client_for, jsonl, read_jsonl, wait_for
 from tests.stack_fixtures import running_stack
+from tests.conftest import hf_smollm2
 
 pytestmark = pytest.mark.slow
 
@@ -18,14 +19,13 @@ BASE = "smollm2-135m-instruct"
 
 
 def test_a_batch_mixes_the_base_model_and_its_adapters(
-    private_stack_settings: Settings, smollm2_folder: Path, tmp_path: Path
+    private_stack_settings: Settings, tmp_path: Path
 ) -> None:
     import peft
-    import transformers
 
     for name, seed in (("tone", 0), ("extract", 1)):
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
+        model = hf_smollm2()
         config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
         peft.get_peft_model(model, config).save_pretrained(tmp_path / name)
     settings = replace(
