@@ -154,7 +154,9 @@ def wait_through_outages(client: openai.OpenAI, batch_id: str, timeout_s: float 
 
 def run_batch_across(stack: Stack, name: str, restart: Callable[[float], None], outage_s: float = 3.0) -> None:
     client = client_for(stack, stack.new_key(name))
-    data, good_ids = completion_file(name, 48)  # three chunks: the outage comes after the first, before the last
+    # Six chunks: the worker runs several at once, so with fewer the last one can finish with the first, before the
+    # outage (48 lines failed so in a full run).
+    data, good_ids = completion_file(name, 96)
     upload = client.files.create(file=(f"{name}.jsonl", data), purpose="batch")
     batch = client.batches.create(input_file_id=upload.id, endpoint=COMPLETIONS, completion_window="24h")
     deadline = time.monotonic() + 180
