@@ -52,33 +52,42 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 @cache
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled extension, or None where it cannot be built (no compiler, no ninja)."""
-    from torch.utils import cpp_extension
-
-    name = f"conveyor_cpu_kernels_{build_digest(_SOURCE)}"
-    # Where load() builds (TORCH_EXTENSIONS_DIR or its default, per Python and CUDA version); private, but the one
-    # place that knows the layout.
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    # Said before and after: the first build on a machine compiles for minutes in silence (torch prints nothing).
-    building = not any(build_dir.glob(f"{name}*.so"))
-    if building:
-        log.info(
-            "building the C++ CPU kernels into %s: a one-time step per source version and CPU (minutes on a "
-            "busy 2-core CPU); later starts load the build", build_dir,
-        )
-    started = time.monotonic()
     try:
-        kernels = cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
+        return load_extension(
+            f"conveyor_cpu_kernels_{build_digest(_SOURCE)}",
+            "the C++ CPU kernels",
+            [_SOURCE],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as error:  # any build failure means: use the torch path
         log.warning("CPU kernels unavailable, using the torch path: %s", error)
         return None
+
+
+def load_extension(
+    name: str, what: str, sources: list[Path], extra_cflags: list[str], extra_ldflags: list[str] | None = None
+) -> ModuleType:
+    """torch's `cpp_extension.load`, said before and after when it really builds: the first build on a machine
+    compiles for minutes in silence (torch prints nothing). `what` names the kernels for a person."""
+    from torch.utils import cpp_extension
+
+    # Where load() builds (TORCH_EXTENSIONS_DIR or its default, per Python and CUDA version); private, but the one
+    # place that knows the layout.
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    building = not any(build_dir.glob(f"{name}*.so"))
     if building:
-        log.info("built the C++ CPU kernels in %.0f s", time.monotonic() - started)
-    return kernels
+        log.info(
+            "building %s into %s: a one-time step per source version and CPU (minutes on a busy 2-core CPU); later "
+            "starts load the build", what, build_dir,
+        )
+    started = time.monotonic()
+    module = cpp_extension.load(
+        name=name, sources=[str(source) for source in sources], extra_cflags=extra_cflags, extra_ldflags=extra_ldflags
+    )
+    if building:
+        log.info("built %s in %.0f s", what, time.monotonic() - started)
+    return module
 
 
 def build_digest(*sources: Path) -> str:

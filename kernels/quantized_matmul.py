@@ -16,7 +16,6 @@ blocks, the weight-only formula for groups) in float32, then torch's matmul.
 
 from __future__ import annotations
 
-import logging
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -25,9 +24,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kernels.cpu_kernels import build_digest
-
-log = logging.getLogger(__name__)
+from kernels.cpu_kernels import build_digest, load_extension
 
 _SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
 _BODY = Path(__file__).with_name("quantized_matmul_body.h")
@@ -47,11 +44,10 @@ INT8, INT4 = 1008, 1004
 def load_quantized_kernels() -> ModuleType:
     """The compiled extension. Unlike the optional CPU kernels there is no torch path to keep: a quantized model
     needs it, so a failed build raises (with the compiler's message)."""
-    from torch.utils import cpp_extension
-
-    return cpp_extension.load(
-        name=f"conveyor_quantized_matmul_{build_digest(_SOURCE, _BODY)}",
-        sources=[str(_SOURCE)],
+    return load_extension(
+        f"conveyor_quantized_matmul_{build_digest(_SOURCE, _BODY)}",
+        "the quantized matmul kernels",
+        [_SOURCE],
         extra_cflags=["-O3"],  # no -march=native: each path is compiled for its own instruction set
     )
 
