@@ -79,7 +79,7 @@ def test_message_items_take_text_parts_and_every_role() -> None:
         ({"input": [{"type": "reasoning", "summary": []}]}, "input items must be messages, function_call"),
         ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "needs a name"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "an image URL must be"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "content[0].file_id"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "content[0].image_url: Field required"),
         ({"input": []}, "at least one message"),
         ({"reasoning": {"effort": "low"}}, "reasoning.effort='low' asks for thinking, but this model's chat template"),
         ({"reasoning": {"summary": "auto"}}, "'body.reasoning.summary'"),
