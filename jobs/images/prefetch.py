@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from jobs.images.decode import decode_image
 from jobs.images.inputs import ImageInputs, ImageRejected, LineImages
 from jobs.images.sources import ImageSources
+from jobs.openai_format.validation import LineError
+from jobs.served_models import ModelNames
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -65,3 +67,21 @@ class ImagePrefetch:
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.close()
+
+
+def settle_images(custom_id: str, pending: PendingImages, model_id: str, served: ModelNames) -> LineError | LineImages:
+    """A line's images once read: its error (its first image that failed, or a model that reads text only), else the
+    images for the engine. An image line is read in full before its model is asked, so that a hostile image fails
+    with its own code whatever model the line names."""
+    try:
+        images = pending.result()
+    except ImageRejected as rejected:
+        return LineError(custom_id, rejected.code, rejected.message)
+    if not served.accepts_images(model_id):
+        return LineError(
+            custom_id,
+            "model_not_multimodal",
+            f"the model {model_id!r} reads text only and this line holds {len(images.images)} image(s); "
+            "GET /v1/models lists each model's input_modalities",
+        )
+    return images

@@ -22,12 +22,12 @@ import http.client
 import ssl
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from urllib.parse import urljoin
 
 from jobs.images.inputs import ImageLimits, ImageRejected
 from jobs.rag.documents import DocumentError, S3Uri
 from jobs.rag.kind import inbox_object_key
-from jobs.settings import S3Settings
 from jobs.storage import ObjectStore
 from jobs.webhooks.targets import AllowList, PinnedConnection, TargetUse, WebhookTarget, WebhookTargetRefused, resolve_target
 
@@ -39,13 +39,12 @@ USER_AGENT = "conveyor-image-fetch"
 Resolver = Callable[[str, AllowList, TargetUse], WebhookTarget]
 
 
+@dataclass(frozen=True)
 class ProjectStore:
     """A project's view of the deployment's store, for `s3://` images: its inbox and nothing else."""
 
-    def __init__(self, store: ObjectStore, s3: S3Settings, project_id: str) -> None:
-        self.store = store
-        self.s3 = s3
-        self.project_id = project_id
+    store: ObjectStore
+    project_id: str
 
 
 class ImageSources:
@@ -155,7 +154,7 @@ class ImageSources:
             raise ImageRejected("image_fetch_failed", "s3:// images are read from the service's store; here there is none")
         project = self._project
         try:
-            key = inbox_object_key(S3Uri.parse(url), project.s3, project.project_id)
+            key = inbox_object_key(S3Uri.parse(url), project.store.settings, project.project_id)
         except DocumentError as refused:
             raise ImageRejected("image_fetch_failed", str(refused).replace("uri ", "", 1)) from None
         info = project.store.head(key)
