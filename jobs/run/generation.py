@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from engine.admission import EngineFailed
 from jobs.batch_limits import BatchLimits
-from jobs.images.inputs import ImageLimits, LineImages
+from jobs.images.inputs import ImageLimits
 from jobs.images.prefetch import ImagePrefetch, settle_images
 from jobs.images.sources import ImageSources, ProjectStore
 from jobs.models import Batch
@@ -78,10 +78,9 @@ class GenerationKind(OpenAILinesKind):
             for request, pending in images:
                 line_model = request.sampling_params.adapter or model
                 settled = settle_images(request.custom_id, pending, line_model, self.engine.served)
-                if isinstance(settled, LineImages):
-                    # Only a model whose engine reads images is announced with `accepts_images`; this worker's engine
-                    # loop takes prompts of tokens only, so no such model is served by it.
-                    raise AssertionError(f"{line_model!r} is announced as reading images, which this engine cannot")
+                # Only a model whose engine reads images is announced with `accepts_images`; this worker's engine loop
+                # takes prompts of tokens only, so none of its models is, and every image line settles as an error.
+                assert isinstance(settled, LineError), f"{line_model!r} is announced as reading images"
                 records.append(error_record(settled))
         records += self._generation_records(batch.id, model, submitted)
         return records_result(records)
