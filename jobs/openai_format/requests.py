@@ -101,6 +101,8 @@ def _text_or_parts(content: object) -> object:
         return content
     if not isinstance(content, list):
         raise ValueError("content must be a string or a list of content parts")
+    if all(isinstance(part, (TextPart, ImagePart)) for part in content):  # built in code (the other formats' turns)
+        return content
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("text", "image_url"):
