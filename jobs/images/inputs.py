@@ -9,7 +9,7 @@ decides what it means (a text-only model never gets that far).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal
 
 from jobs.openai_format.responses import ErrorCode
 
@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # only a chunk that runs decodes images; checking a line need
     from PIL.Image import Image
 
 Detail = Literal["auto", "low", "high"]
-DETAILS: tuple[Detail, ...] = get_args(Detail)
 IMAGE_SCHEMES = ("data:", "https://", "s3://")
 
 

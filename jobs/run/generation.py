@@ -14,6 +14,7 @@ fails, or whose model reads text only (`model_not_multimodal`: every model this 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from collections.abc import Sequence
@@ -68,20 +69,21 @@ class GenerationKind(OpenAILinesKind):
         with ImagePrefetch(sources) as prefetch:
             # Image lines are fetched and decoded on the chunk's own threads while the engine runs its text lines.
             images = [
-                (request, prefetch.submit(request.images))
-                for _, request in requests
+                (line_number, request, prefetch.submit(request.images))
+                for line_number, request in requests
                 if isinstance(request, BatchRequest) and request.images is not None
             ]
             model = batch.model or self.engine.model_name
             run_id = secrets.token_hex(4)  # keeps request ids unique should a lapsed lease let this chunk run twice
             submitted = self._submit_text_lines(batch, chunk_index, run_id, requests)
-            for request, pending in images:
+            for line_number, request, pending in images:
                 line_model = request.sampling_params.adapter or model
                 settled = settle_images(request.custom_id, pending, line_model, self.engine.served)
                 # Only a model whose engine reads images is announced with `accepts_images`; this worker's engine loop
                 # takes prompts of tokens only, so none of its models is, and every image line settles as an error.
                 assert isinstance(settled, LineError), f"{line_model!r} is announced as reading images"
-                records.append(error_record(settled))
+                # Located as validate locates its errors: the client finds the line in its input file
+                records.append(error_record(dataclasses.replace(settled, message=f"line {line_number}: {settled.message}")))
         records += self._generation_records(batch.id, model, submitted)
         return records_result(records)
 
