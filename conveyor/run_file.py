@@ -57,6 +57,8 @@ def run_batch_file(
     accounts for every request. Blank lines are skipped: they carry no request to answer. Embedding lines
     are embedded together, in one call of the model `make_embedder()` builds, only if the file has some. A line's
     `model` must be one of `models` (else its line fails with model_not_found). `progress`: `LLM.generate`'s `use_tqdm`.
+    Image lines are read (`data:` and public `https://` images, within the default `jobs.images.inputs.ImageLimits`;
+    `s3://` ones need the service's store) and then fail: the engine here reads text only (`model_not_multimodal`).
     """
     validator = BatchLineValidator(
         llm.tokenizer, llm.max_model_len, models=models, limits=llm.engine.admission_limits
