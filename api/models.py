@@ -29,10 +29,16 @@ class ModelObject(BaseModel):
     # conveyor's addition: how the model runs; {"quantization": {"method": "int8", "bits": 8, "group_size": 64}}
     # (GGUF: "method": "gguf" and its "tensor_types") when quantized, else {}
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # conveyor's addition (the name OpenRouter's model list uses): what its lines may hold; ["text", "image"] for a
+    # model that reads images, whose lines may carry image parts (others fail them with `model_not_multimodal`)
+    input_modalities: list[Literal["text", "image"]]
 
     @classmethod
     def of(cls, name: str, model: ServedModel) -> ModelObject:
-        return cls(id=name, created=model.created, owned_by=OWNED_BY, parent=model.parent, metadata=model.metadata)
+        return cls(
+            id=name, created=model.created, owned_by=OWNED_BY, parent=model.parent, metadata=model.metadata,
+            input_modalities=["text", "image"] if model.accepts_images else ["text"],
+        )
 
 
 class ModelList(BaseModel):

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jobs.images.inputs import ImageLimits
+from jobs.images.prefetch import ImagePrefetch, settle_images
+from jobs.images.sources import ImageSources
 from jobs.openai_format.records import TextEmbedder, embedding_records, error_record, response_record
 from jobs.openai_format.requests import BatchRequest, EmbeddingRequest
 from jobs.openai_format.responses import BatchOutputLine
@@ -15,6 +18,7 @@ from jobs.openai_format.validation import BatchLineValidator, LineError
 from jobs.run.split import iter_lines
 from jobs.served_models import ModelNames
 from jobs.settings import DEFAULT_MAX_LINE_BYTES as MAX_LINE_BYTES
+from jobs.webhooks.targets import AllowList
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -53,32 +57,48 @@ def run_batch_file(
     accounts for every request. Blank lines are skipped: they carry no request to answer. Embedding lines
     are embedded together, in one call of the model `make_embedder()` builds, only if the file has some. A line's
     `model` must be one of `models` (else its line fails with model_not_found). `progress`: `LLM.generate`'s `use_tqdm`.
+    Image lines are read (`data:` and public `https://` images, within the default `jobs.images.inputs.ImageLimits`;
+    `s3://` ones need the service's store) and then fail: the engine here reads text only (`model_not_multimodal`).
     """
     validator = BatchLineValidator(
         llm.tokenizer, llm.max_model_len, models=models, limits=llm.engine.admission_limits
     )
     with input_path.open("rb") as source:
         blocks = iter(lambda: source.read(READ_BLOCK_BYTES), b"")
-        checked = [
+        checked: list[BatchRequest | EmbeddingRequest | LineError] = [
             validator.validate(line) if line is not None else _too_long(number)
             for number, _, _, line in iter_lines(blocks, max_line_bytes=MAX_LINE_BYTES)
             if line is None or line.strip()
         ]
 
-    requests = [item for item in checked if isinstance(item, BatchRequest)]
-    embedding_requests = [item for item in checked if isinstance(item, EmbeddingRequest)]
-    # One embedder call for the whole file as well: its packing by token budget spans lines.
-    embedded_in_order = iter(embedding_records(embedding_requests, make_embedder()) if embedding_requests else [])
-    # One generate call for the whole file, so the engine batches continuously across every request.
-    results = (
-        llm.generate(
-            [prompt for request in requests for prompt in request.prompts],
-            [request.sampling_params for request in requests for _ in request.prompts],
-            use_tqdm=progress,
+    # Image lines are read on their own threads while the engine runs the text lines; each then fails with its image's
+    # code, or with model_not_multimodal: the engine of `conveyor run` reads text only. s3:// images need the service.
+    with ImagePrefetch(ImageSources(ImageLimits(), AllowList(frozenset(), ()))) as prefetch:
+        images = {
+            index: prefetch.submit(item.images)
+            for index, item in enumerate(checked)
+            if isinstance(item, BatchRequest) and item.images is not None
+        }
+        requests = [item for index, item in enumerate(checked) if isinstance(item, BatchRequest) and index not in images]
+        embedding_requests = [item for item in checked if isinstance(item, EmbeddingRequest)]
+        # One embedder call for the whole file as well: its packing by token budget spans lines.
+        embedded_in_order = iter(embedding_records(embedding_requests, make_embedder()) if embedding_requests else [])
+        # One generate call for the whole file, so the engine batches continuously across every request.
+        results = (
+            llm.generate(
+                [prompt for request in requests for prompt in request.prompts],
+                [request.sampling_params for request in requests for _ in request.prompts],
+                use_tqdm=progress,
+            )
+            if requests
+            else []
         )
-        if requests
-        else []
-    )
+        for index, pending in images.items():
+            request = checked[index]
+            assert isinstance(request, BatchRequest)
+            settled = settle_images(request.custom_id, pending, request.sampling_params.adapter or llm.model_name, models)
+            assert isinstance(settled, LineError), "`models` lists what `llm` reads: text only, for `LLM.generate`"
+            checked[index] = settled
     results_in_order = iter(results)
 
     records = [

@@ -90,6 +90,9 @@ class ServedModel:
     parent: str | None = None  # a LoRA adapter's base model id; None: a base model
     # How it runs, for /v1/models' `metadata`: {"quantization": {"method", "bits", "group_size", ...}} when quantized
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Whether its lines may hold images (/v1/models' `input_modalities`); an image line for a model that does not fails
+    # with `model_not_multimodal`. The engine's model says (`process_models`); every model served today reads text only.
+    accepts_images: bool = False
 
 
 class ModelNames:
@@ -98,6 +101,7 @@ class ModelNames:
     def __init__(self, served: list[ServedModel], aliases: dict[str, str]) -> None:
         self._models = {name: model for model in served for name in model.names}
         self._parents = {model.id: model.parent for model in served if model.parent is not None}
+        self._multimodal = {model.id for model in served if model.accepts_images}
         self._aliases = aliases
 
     def resolve(self, name: str, kind: ModelKind) -> str | None:
@@ -108,6 +112,10 @@ class ModelNames:
     def base_of(self, model_id: str) -> str:
         """The base model a served id runs on: an adapter's parent, a base model itself."""
         return self._parents.get(model_id, model_id)
+
+    def accepts_images(self, model_id: str) -> bool:
+        """Whether the served model `model_id` (or, for an adapter, its base) reads images."""
+        return self.base_of(model_id) in self._multimodal
 
     def adapter(self, model_id: str) -> str | None:
         """The LoRA adapter (the engine's name for it) a served id runs; None for a base model."""
@@ -161,7 +169,7 @@ class ModelRegistry:
             fields = json.loads(raw)
             models.append(ServedModel(
                 fields["id"], tuple(fields["names"]), fields["kind"], fields["created"], fields.get("parent"),
-                fields.get("metadata", {}),
+                fields.get("metadata", {}), fields.get("accepts_images", False),
             ))
         if expired:
             self._forget(expired)
@@ -219,14 +227,22 @@ def process_models(
     embedding_model: str,
     adapters: Sequence[str] = (),
     generation_metadata: dict[str, Any] | None = None,
+    accepts_images: bool = False,
 ) -> list[ServedModel]:
-    """What one process serves: its generation model under its names (with `generation_metadata`: how it runs), its
-    LoRA adapters (by name, their parent the generation model), and its embedding model."""
+    """What one process serves: its generation model under its names (with `generation_metadata`: how it runs, and
+    `accepts_images`: whether it reads images), its LoRA adapters (by name, their parent the generation model), and
+    its embedding model."""
     created = int(time.time())
     base = generation_names[0]
     return [
-        ServedModel(base, tuple(generation_names), "generation", created, metadata=generation_metadata or {}),
-        *(ServedModel(adapter, (adapter,), "generation", created, parent=base) for adapter in adapters),
+        ServedModel(
+            base, tuple(generation_names), "generation", created, metadata=generation_metadata or {},
+            accepts_images=accepts_images,
+        ),
+        *(
+            ServedModel(adapter, (adapter,), "generation", created, parent=base, accepts_images=accepts_images)
+            for adapter in adapters
+        ),
         ServedModel(embedding_model, (embedding_model,), "embedding", created),
     ]
 

@@ -28,6 +28,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSetti
 from engine.config import EngineConfig
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from jobs.batch_limits import BatchLimits, MessageBatchLimits
+from jobs.images.inputs import ImageLimits
 from jobs.served_models import DEFAULT_ANNOUNCE_TTL_SECONDS, parse_aliases
 
 ENV_PREFIX = "CONVEYOR_"
@@ -190,6 +191,32 @@ class Settings(BaseSettings):
     webhook_retry_scale: float = Field(
         1.0, description="multiplies the webhook retry delays (5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h)"
     )
+    image_max_bytes: Annotated[int, Integer] = Field(
+        ImageLimits.max_bytes, description="bytes of one image in a batch line (encoded); past it the line fails"
+    )
+    image_max_pixels: Annotated[int, Integer] = Field(
+        ImageLimits.max_pixels,
+        description="width x height of one image, read from its header before decoding (a decompression bomb fails "
+        "its line)",
+    )
+    image_max_aspect_ratio: float = Field(
+        ImageLimits.max_aspect_ratio, description="an image's long side over its short side (a 1 x 100000 strip fails)"
+    )
+    image_max_per_line: Annotated[int, Integer] = Field(
+        ImageLimits.max_per_line, description="image parts in one batch line (`too_many_images` past it)"
+    )
+    image_fetch_timeout_seconds: float = Field(
+        ImageLimits.fetch_timeout_seconds,
+        description="seconds one image URL may take, connection, redirects and body together",
+    )
+    image_fetch_threads: Annotated[int, Integer] = Field(
+        ImageLimits.fetch_threads, description="images fetched and decoded at once per running chunk"
+    )
+    image_allowed_hosts: str = Field(
+        "",
+        description="comma-separated hostnames, IPs and CIDRs that image URLs may name although they are not "
+        "public (as `CONVEYOR_WEBHOOK_ALLOWED_HOSTS`)",
+    )
     api_host: str = Field("127.0.0.1", description="where `conveyor api` listens (`--host` overrides)")
     api_port: Annotated[int, Integer] = Field(8000, description="the port `conveyor api` listens on (`--port` overrides)")
     worker_metrics_host: str = Field("127.0.0.1", description="where a worker serves `/metrics` and `/healthz`")
@@ -227,9 +254,16 @@ class Settings(BaseSettings):
             "max_message_batch_bytes",
             "max_form_field_bytes",
             "max_form_part_header_bytes",
+            "image_max_bytes",
+            "image_max_pixels",
+            "image_max_per_line",
+            "image_fetch_threads",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"CONVEYOR_{name.upper()} must be >= 1, got {getattr(self, name)}")
+        for name in ("image_max_aspect_ratio", "image_fetch_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CONVEYOR_{name.upper()} must be > 0, got {getattr(self, name)}")
         parse_aliases(self.model_aliases)  # a malformed value fails every process at start, not a batch later
         unknown = set(self.engine_options) - {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown:
@@ -239,6 +273,17 @@ class Settings(BaseSettings):
     def batch_limits(self) -> BatchLimits:
         """OpenAI's limits on one batch, as configured."""
         return BatchLimits(self.max_batch_requests, self.max_batch_input_bytes, self.max_batch_embedding_inputs)
+
+    def image_limits(self) -> ImageLimits:
+        """What one image, and one line's images, may cost, as configured."""
+        return ImageLimits(
+            max_bytes=self.image_max_bytes,
+            max_pixels=self.image_max_pixels,
+            max_aspect_ratio=self.image_max_aspect_ratio,
+            max_per_line=self.image_max_per_line,
+            fetch_timeout_seconds=self.image_fetch_timeout_seconds,
+            fetch_threads=self.image_fetch_threads,
+        )
 
     def message_batch_limits(self) -> MessageBatchLimits:
         """Anthropic's limits on one Message Batch, as configured."""

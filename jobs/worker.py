@@ -47,6 +47,7 @@ from jobs.settings import Settings
 from jobs.stop_flags import StopFlags
 from jobs.storage import ObjectStore
 from jobs.tasks import register_tasks
+from jobs.webhooks.targets import AllowList
 from jobs.telemetry.worker_metrics import ENGINE_STATS_TIMEOUT_SECONDS, start_worker_telemetry
 from jobs.telemetry.worker_samples import SampleRecorder
 
@@ -108,7 +109,15 @@ def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
         lambda: Embedder(settings.embedding_model, dtype=settings.dtype, device=settings.device),
     )
     limits = settings.batch_limits()
-    generation = GenerationKind(engine_handle, store, stop_flags, settings.chunk_size, limits)
+    generation = GenerationKind(
+        engine_handle,
+        store,
+        stop_flags,
+        settings.chunk_size,
+        limits,
+        settings.image_limits(),
+        AllowList.parse(settings.image_allowed_hosts),
+    )
     kinds: dict[str, JobKind] = {
         CHAT_COMPLETIONS: generation,
         COMPLETIONS: generation,

@@ -21,6 +21,19 @@ def request_line(custom_id: str, url: str, body: dict[str, Any]) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
+def image_data_url(size: tuple[int, int]) -> str:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("L", size).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def image_line(custom_id: str, url: str, image_url: str) -> str:
+    content = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": image_url}}]
+    return request_line(custom_id, url, {"messages": [{"role": "user", "content": content}], "max_tokens": 4})
+
+
 def test_a_missing_input_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     exit_code = main(["run", "-i", str(tmp_path / "absent.jsonl"), "-o", str(tmp_path / "out.jsonl")])
     assert exit_code == 1
@@ -78,6 +91,14 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
         request_line("two-prompts-echo", "/v1/completions", {"prompt": ["The capital of France is", "One, two,"],
                                                              "max_tokens": 2, "temperature": 0, "echo": True,
                                                              "logprobs": 1}),
+        # Image lines: read in full, then refused by the text-only model, or failed by their image's own code
+        image_line("image-png", chat, image_data_url((8, 8))),
+        image_line("image-svg", chat, "data:image/svg+xml;base64," + base64.b64encode(b"<svg/>").decode()),
+        image_line("image-private", chat, "https://127.0.0.1/cat.png"),
+        request_line("image-strip", "/v1/responses", {"input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is it?"},
+            {"type": "input_image", "image_url": image_data_url((1, 100_000)), "detail": "low"},
+        ]}]}),
     ]
     source, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     source.write_text("\n".join(lines) + "\n")
@@ -88,7 +109,7 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
     records = [json.loads(line) for line in results.read_text().splitlines()]
     assert [record["custom_id"] for record in records] == [
         "chat-ok", None, "text-ok", "bad-temperature", "bad-url", "chat-logprobs", "too-long", "two-samples",
-        "two-prompts-echo",
+        "two-prompts-echo", "image-png", "image-svg", "image-private", "image-strip",
     ]
     by_id = {record["custom_id"]: record for record in records}
 
@@ -134,6 +155,10 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
     assert errors["bad-temperature"] == {"code": "invalid_parameter", "message": "temperature must be >= 0, got -1.0"}
     assert errors["bad-url"]["code"] == "invalid_url"
     assert errors["too-long"]["code"] == "context_length_exceeded"
+    assert errors["image-png"]["code"] == "model_not_multimodal" and "reads text only" in errors["image-png"]["message"]
+    assert errors["image-svg"]["code"] == "image_format_unsupported"
+    assert errors["image-private"]["code"] == "image_fetch_failed" and "loopback" in errors["image-private"]["message"]
+    assert errors["image-strip"]["code"] == "image_too_large"
     assert all(record["response"] is None for record in records if record["error"] is not None)
 
     stderr = capsys.readouterr().err.strip().splitlines()  # not a terminal here: progress as whole lines
@@ -141,7 +166,7 @@ def test_run_answers_every_line_once_with_the_real_engine(tmp_path: Path, capsys
     assert "\r" not in "".join(stderr)
     assert any(line.startswith("requests: 100% 6/6 [") and "output tok/s" in line for line in stderr)
     summary = stderr[-1]
-    assert "9 requests, 5 succeeded, 4 failed" in summary
+    assert "13 requests, 5 succeeded, 8 failed" in summary
     assert "1 invalid_json_line" in summary and str(results) in summary
 
 

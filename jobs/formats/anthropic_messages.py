@@ -9,7 +9,8 @@ answer is Anthropic's `message`: a text block (when there is text, or no call), 
 `usage`, whose `input_tokens` leave out what the prefix cache read (`cache_read_input_tokens`), as Anthropic counts.
 `thinking` (`enabled` / `disabled`) switches a thinking template as OpenAI's `reasoning_effort` does
 (`jobs.openai_format.reasoning.thinking_variables`); its `budget_tokens` is refused where it could bind.
-Every field is honoured or refused: image and document blocks (the engine reads text only), `stream`.
+`image` blocks (`source` base64 or url) are a chat line's image parts (`jobs.images`); document blocks and `stream`
+are refused: every field is honoured or refused.
 docs/anthropic_compatibility.md lists every field and what becomes of it.
 """
 
@@ -23,8 +24,19 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from jobs.formats.base import Generation, GenerationResult, LineReader, parse_body, read_sample
+from jobs.images.inputs import check_image_url
 from jobs.openai_format.reasoning import ThinkingAsked
-from jobs.openai_format.requests import BatchRequest, ChatMessage, NotStreamed, PromptTokenizer, StrictBody
+from jobs.openai_format.requests import (
+    BatchRequest,
+    ChatMessage,
+    ContentPart,
+    ImagePart,
+    ImageUrl,
+    NotStreamed,
+    PromptTokenizer,
+    StrictBody,
+    TextPart,
+)
 from jobs.openai_format.responses import AnswerBody, TokenCounts
 from jobs.openai_format.tool_calls import (
     ChatFunctionCall,
@@ -86,7 +98,30 @@ class ToolResultBlock(StrictBody):
         return "\n".join(block.text for block in self.content)
 
 
-_UNREAD_BLOCKS = ("image", "document", "thinking", "redacted_thinking", "search_result", "server_tool_use")
+class Base64Source(StrictBody):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class UrlSource(StrictBody):
+    type: Literal["url"]
+    url: Annotated[str, AfterValidator(check_image_url)]
+
+
+class ImageBlock(StrictBody):
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+    def part(self) -> ImagePart:
+        """The block as chat's image part (its URL checked as chat's are)."""
+        source = self.source
+        url = source.url if isinstance(source, UrlSource) else f"data:{source.media_type};base64,{source.data}"
+        return ImagePart(type="image_url", image_url=ImageUrl(url=url))
+
+
+_UNREAD_BLOCKS = ("document", "thinking", "redacted_thinking", "search_result", "server_tool_use")
 
 
 def _as_blocks(content: object) -> object:
@@ -97,7 +132,7 @@ def _as_blocks(content: object) -> object:
     for block in content if isinstance(content, list) else []:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in _UNREAD_BLOCKS:
-            raise ValueError(f"{kind} blocks are not supported: this deployment's models read text only")
+            raise ValueError(f"{kind} blocks are not supported: this deployment's models read text and images only")
     return content
 
 
@@ -107,7 +142,10 @@ def _block_type(block: object) -> str | None:
 
 
 ContentBlock = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")] | Annotated[ToolResultBlock, Tag("tool_result")],
+    Annotated[TextBlock, Tag("text")]
+    | Annotated[ImageBlock, Tag("image")]
+    | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")],
     Discriminator(_block_type),
 ]
 
@@ -122,6 +160,8 @@ class Message(StrictBody):
             raise ValueError("tool_use blocks belong to assistant messages")
         if self.role == "assistant" and any(isinstance(block, ToolResultBlock) for block in self.content):
             raise ValueError("tool_result blocks belong to user messages")
+        if self.role == "assistant" and any(isinstance(block, ImageBlock) for block in self.content):
+            raise ValueError("image blocks belong to user messages")
         return self
 
     def chat_turns(self) -> list[ChatMessage]:
@@ -141,6 +181,13 @@ class Message(StrictBody):
         ]
         if calls:
             turns.append(ChatMessage(role="assistant", content=text or None, tool_calls=calls))
+        elif any(isinstance(block, ImageBlock) for block in self.content):  # its text and images, in order
+            parts: list[ContentPart] = [
+                TextPart(type="text", text=block.text) if isinstance(block, TextBlock) else block.part()
+                for block in self.content
+                if isinstance(block, (TextBlock, ImageBlock))
+            ]
+            turns.append(ChatMessage(role=self.role, content=parts))
         elif text or not turns:
             turns.append(ChatMessage(role=self.role, content=text))
         return turns
@@ -319,6 +366,7 @@ class AnthropicMessages:
             constraint=constraint,
             tool_calls=plan,
             reasoning=prompt.reasoning,
+            images=prompt.images,
         )
         return line.request(custom_id, self.url, generation)
 

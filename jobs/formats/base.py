@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from engine.structured_output import StructuredOutputParams
+from jobs.images.inputs import ImageInputs
 from jobs.openai_format.reasoning import ReasoningPlan, ThinkingAsked, reasoning_token_count, split_reasoning
 from jobs.openai_format.requests import BatchRequest, ChatMessage, EmbeddingRequest, PromptTokenizer
 from jobs.openai_format.responses import AnswerBody, ErrorCode, TokenCounts
@@ -34,6 +35,7 @@ class ChatPrompt:
 
     token_ids: list[int]
     reasoning: ReasoningPlan | None  # the template thinks, and this prompt lets it (`jobs.openai_format.reasoning`)
+    images: ImageInputs | None = None  # the conversation's image parts; token_ids are then its text alone
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class Generation:
     context: object = None  # what the format's answer needs of its request (`BatchRequest.context`)
     reasoning: ReasoningPlan | None = None  # a chat prompt's (`ChatPrompt.reasoning`): constraints wait for the answer
     adapter: str | None = None  # the LoRA adapter the line's `model` names (`LineReader.check_model`); None: the base
+    images: ImageInputs | None = None  # a chat prompt's (`ChatPrompt.images`): read when the line's chunk runs
 
 
 class LineReader(Protocol):

@@ -63,6 +63,7 @@ class ChatCompletions:
             logit_bias=chat.logit_bias,
             tool_calls=plan,
             reasoning=prompt.reasoning,
+            images=prompt.images,
         )
         return line.request(custom_id, self.url, generation)
 

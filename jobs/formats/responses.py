@@ -40,6 +40,7 @@ class Responses:
             tool_calls=plan,
             context=responses.echoed(),  # what the response object repeats of its request
             reasoning=prompt.reasoning,
+            images=prompt.images,
         )
         return line.request(custom_id, self.url, generation)
 

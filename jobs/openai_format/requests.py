@@ -10,12 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol, get_args
+from typing import Annotated, Any, Literal, Protocol, TypeVar, get_args
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputParams
+from jobs.images.inputs import Detail, ImageInputs, ImageRef, check_image_url
 from jobs.openai_format.reasoning import ReasoningEffort, ReasoningPlan
 from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
 from jobs.openai_format.tool_calls import ChatToolCall, Tool, ToolCallPlan, ToolChoice
@@ -62,16 +73,62 @@ class StrictBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-def _join_text_parts(content: object) -> object:
-    """OpenAI allows content as a list of typed parts; a text-only model can take only the text ones."""
-    if not isinstance(content, list):
+class ImageUrl(StrictBody):
+    url: Annotated[str, AfterValidator(check_image_url)]
+    detail: Detail = "auto"  # recorded per image; the model's preprocessing gives it its meaning
+
+
+class TextPart(StrictBody):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(StrictBody):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+    def ref(self) -> ImageRef:
+        return ImageRef(self.image_url.url, self.image_url.detail)
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+def _text_or_parts(content: object) -> object:
+    """OpenAI allows content as a list of typed parts. Text parts alone are joined into one text, as a text-only
+    template expects; with an image part the list stays parts (`ChatMessage.image_refs`)."""
+    if content is None or isinstance(content, str):
         return content
-    texts = []
+    if not isinstance(content, list):
+        raise ValueError("content must be a string or a list of content parts")
+    if all(isinstance(part, (TextPart, ImagePart)) for part in content):  # built in code (the other formats' turns)
+        return content
     for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise ValueError('content parts must be {"type": "text", "text": "..."}; only text input is supported')
-        texts.append(part["text"])
-    return "\n".join(texts)
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "image_url"):
+            raise ValueError(
+                'content parts must be {"type": "text", "text": "..."} or {"type": "image_url", "image_url": {"url": '
+                f'"...", "detail": "auto|low|high"}}}}, got type {kind!r}'
+            )
+    if all(part["type"] == "text" and isinstance(part.get("text"), str) for part in content):
+        return "\n".join(part["text"] for part in content)
+    return [read_part(_CONTENT_PART, index, part) for index, part in enumerate(content)]
+
+
+_CONTENT_PART: TypeAdapter[TextPart | ImagePart] = TypeAdapter(ContentPart)
+PartT = TypeVar("PartT")
+
+
+def read_part(parts: TypeAdapter[PartT], index: int, part: object) -> PartT:
+    """One content part read in a content validator, so that its error names the part (the errors of the field's
+    union, a text or parts, would name every branch)."""
+    try:
+        return parts.validate_python(part)
+    except ValidationError as invalid:
+        first = invalid.errors(include_url=False)[0]
+        where = "".join(f".{step}" for step in first["loc"][1:])  # [0] is the part's type tag
+        problem = first["ctx"]["error"] if first["type"] == "value_error" else first["msg"]
+        raise ValueError(f"content[{index}]{where}: {problem}") from None
 
 
 def _as_list(value: object) -> object:
@@ -94,7 +151,7 @@ def _prompt_list(prompt: object) -> object:
 
 class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | None, BeforeValidator(_join_text_parts)] = None
+    content: Annotated[str | list[ContentPart] | None, BeforeValidator(_text_or_parts)] = None
     name: str | None = None  # the participant's name: passed to the chat template, which uses it where it has a slot
     tool_calls: list[ChatToolCall] | None = None  # an assistant turn's calls (tool_calls.py)
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -107,7 +164,14 @@ class ChatMessage(StrictBody):
             raise ValueError("tool messages, and only they, need tool_call_id")
         if self.content is None and not self.tool_calls:
             raise ValueError("content is required (an assistant message may give tool_calls instead)")
+        if self.image_refs() and self.role != "user":
+            raise ValueError("only user messages carry images")
         return self
+
+    def image_refs(self) -> list[ImageRef]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.ref() for part in self.content if isinstance(part, ImagePart)]
 
 
 class _SamplingFields(StrictBody):
@@ -245,6 +309,8 @@ class BatchRequest:
     # What the format's answer needs of its request: completions' echo texts, what a response object repeats
     context: object = None
     reasoning: ReasoningPlan | None = None  # the output may think first: its answer splits the thinking off
+    # A chat line's images, fetched when its chunk runs (`jobs.images.prefetch`); None: a text line
+    images: ImageInputs | None = None
 
 
 @dataclass(frozen=True)

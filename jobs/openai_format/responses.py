@@ -27,6 +27,13 @@ ErrorCode = Literal[
     "generation_aborted",
     "chunk_failed",  # the request's chunk failed every attempt (a crash the engine could not pin on one request)
     "batch_expired",  # the batch's completion window ended before this request ran to the end
+    # A line's images (jobs/images): checked when the line is, fetched and decoded when its chunk runs
+    "too_many_images",  # more image parts than CONVEYOR_IMAGE_MAX_PER_LINE
+    "image_fetch_failed",  # refused by the SSRF guard or the project's inbox, an HTTP error, the time limit, bad base64
+    "image_too_large",  # over the bytes, pixels or aspect-ratio limit (a decompression bomb is refused from its header)
+    "image_unreadable",  # truncated or corrupt
+    "image_format_unsupported",  # not PNG, JPEG, WebP or GIF (SVG among them)
+    "model_not_multimodal",  # an image for a model that reads text only
 ]
 
 FinishReason = Literal["stop", "length", "tool_calls"]

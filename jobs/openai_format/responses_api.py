@@ -24,6 +24,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    TypeAdapter,
     field_validator,
     model_validator,
 )
@@ -31,7 +32,18 @@ from pydantic import (
 from engine.structured_output import StructuredOutputParams
 from jobs.openai_format.reasoning import ReasoningEffort, ThinkingAsked, effort_asks
 from jobs.openai_format.responses import AnswerBody, TokenCounts
-from jobs.openai_format.requests import ChatMessage, NotStreamed, ServiceTier, StrictBody
+from jobs.images.inputs import Detail, check_image_url
+from jobs.openai_format.requests import (
+    ChatMessage,
+    ContentPart,
+    ImagePart,
+    ImageUrl,
+    NotStreamed,
+    ServiceTier,
+    StrictBody,
+    TextPart,
+    read_part,
+)
 from jobs.openai_format.structured_output import ResponseFormat, constraint_from_request
 from jobs.openai_format.tool_calls import (
     FUNCTION_NAME_PATTERN,
@@ -58,9 +70,50 @@ def _input_text(content: object) -> object:
             and part.get("type") in ("input_text", "output_text")
             and isinstance(part.get("text"), str)
         ):
-            raise ValueError('content parts must be {"type": "input_text", "text": "..."}; only text input is supported')
+            raise ValueError(
+                'content parts must be {"type": "input_text", "text": "..."} or {"type": "input_image", "image_url": '
+                '"...", "detail": "auto|low|high"}'
+            )
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+class InputTextPart(StrictBody):
+    type: Literal["input_text", "output_text"]  # output_text: an earlier assistant turn sent back
+    text: str
+
+
+class InputImagePart(StrictBody):
+    type: Literal["input_image"]
+    image_url: Annotated[str, AfterValidator(check_image_url)]  # a file_id is refused: files hold batch input here
+    detail: Detail = "auto"
+
+    def chat_part(self) -> ImagePart:
+        return ImagePart(type="image_url", image_url=ImageUrl(url=self.image_url, detail=self.detail))
+
+
+InputPart = Annotated[InputTextPart | InputImagePart, Field(discriminator="type")]
+
+
+_INPUT_PART: TypeAdapter[InputTextPart | InputImagePart] = TypeAdapter(InputPart)
+
+
+def _input_parts(content: object) -> object:
+    """A message item's content: a string, or typed parts; text parts alone are joined into one text."""
+    if not isinstance(content, list):
+        return content
+    if not any(isinstance(part, dict) and part.get("type") == "input_image" for part in content):
+        return _input_text(content)
+    return [read_part(_INPUT_PART, index, part) for index, part in enumerate(content)]
+
+
+def _chat_content(content: str | list[InputPart]) -> str | list[ContentPart]:
+    if isinstance(content, str):
+        return content
+    return [
+        part.chat_part() if isinstance(part, InputImagePart) else TextPart(type="text", text=part.text)
+        for part in content
+    ]
 
 
 def _as_messages(value: object) -> object:
@@ -72,9 +125,16 @@ class InputMessage(StrictBody):
 
     type: Literal["message"] | None = None
     role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, BeforeValidator(_input_text)]
+    content: Annotated[str | list[InputPart], BeforeValidator(_input_parts)]
     id: str | None = None  # an earlier response's output item sent back: its id and status change nothing
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @model_validator(mode="after")
+    def _images_from_the_user(self) -> "InputMessage":
+        if self.role != "user" and isinstance(self.content, list):
+            if any(isinstance(part, InputImagePart) for part in self.content):
+                raise ValueError("only user messages carry images")
+        return self
 
 
 class FunctionCallItem(StrictBody):
@@ -266,7 +326,7 @@ class ResponsesBody(StrictBody):
             elif isinstance(item, FunctionCallOutputItem):
                 turns.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
             else:
-                turns.append(ChatMessage(role=item.role, content=item.content))
+                turns.append(ChatMessage(role=item.role, content=_chat_content(item.content)))
         return turns
 
     def echoed(self) -> dict[str, Any]:

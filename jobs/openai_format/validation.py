@@ -44,7 +44,15 @@ from engine.structured_output import StructuredOutputParams
 from jobs.formats.base import ChatPrompt, Generation, LineRejected
 from jobs.formats.registry import FORMATS
 from jobs.json_lines import UnreadableLine, load_json_line
-from jobs.openai_format.requests import BatchRequest, ChatMessage, EmbeddingRequest, PromptTokenizer
+from jobs.images.inputs import ImageInputs, ImageLimits
+from jobs.openai_format.requests import (
+    BatchRequest,
+    ChatMessage,
+    ContentPart,
+    EmbeddingRequest,
+    PromptTokenizer,
+    TextPart,
+)
 from jobs.openai_format.reasoning import ThinkingAsked, after_thinking, reasoning_plan, thinking_variables
 from jobs.openai_format.responses import ErrorCode
 from jobs.openai_format.structured_output import ConstraintRejected
@@ -71,6 +79,12 @@ class LineError:
     message: str
 
 
+def _template_content(parts: list[ContentPart], with_images: bool) -> str | list[dict[str, str]]:
+    if not with_images:
+        return "\n".join(part.text for part in parts if isinstance(part, TextPart))
+    return [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"} for part in parts]
+
+
 class BatchLineValidator:
     """Validates the lines of one batch input file, in order.
 
@@ -90,14 +104,17 @@ class BatchLineValidator:
         models: ModelNames,
         batch_model: str | None = None,
         limits: AdmissionLimits | None = None,
+        image_limits: ImageLimits = ImageLimits(),
     ) -> None:
-        """limits: the engine's admission limits; None checks the context length only."""
+        """limits: the engine's admission limits; None checks the context length only. image_limits: the
+        deployment's `CONVEYOR_IMAGE_*` (a line's image count is checked here; the rest when its images are read)."""
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
         self._endpoint = endpoint
         self._models = models
         self._batch_model = batch_model
         self._limits = limits
+        self._image_limits = image_limits
         # The template's own tool-call syntax, None for the generic format (which writes Hermes' syntax)
         self._call_syntax = detect_call_syntax(tokenizer.chat_template)
         self._seen_custom_ids: set[str] = set()
@@ -174,7 +191,14 @@ class BatchLineValidator:
             except AdmissionRefused as refused:
                 raise LineRejected("request_too_large", str(refused)) from None
         return BatchRequest(
-            custom_id, url, generation.prompts, params, generation.tool_calls, generation.context, generation.reasoning
+            custom_id,
+            url,
+            generation.prompts,
+            params,
+            generation.tool_calls,
+            generation.context,
+            generation.reasoning,
+            generation.images,
         )
 
     def with_tools(
@@ -228,25 +252,27 @@ class BatchLineValidator:
         template_kwargs: Mapping[str, Any] | None = None,
         thinking: ThinkingAsked | None = None,
     ) -> ChatPrompt:
-        # Templates rarely know OpenAI's newer "developer" role; it means what "system" always meant.
-        # A message's `name` goes to the template too: templates that have a place for it (e.g. Llama 3's tool turns,
-        # some Mistral ones) use it, the rest leave it out, as with OpenAI's own models.
-        conversation = [
-            {**message.model_dump(exclude_none=True), "role": "system" if message.role == "developer" else message.role}
-            for message in messages
-        ]
-        conversation = template_messages(conversation, self._call_syntax)
+        refs = [ref for message in messages for ref in message.image_refs()]
+        if len(refs) > self._image_limits.max_per_line:
+            raise LineRejected(
+                "too_many_images", f"the line has {len(refs)} images, over the limit of {self._image_limits.max_per_line}"
+            )
+        conversation = self._template_conversation(messages, tools, with_images=False)
         template_tools = None
         if tools and self._call_syntax is not None:
             template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
-        elif tools:
-            conversation = generic_tool_prompt(conversation, tools)
         try:
             variables = thinking_variables(self._tokenizer.chat_template, template_kwargs, thinking)
         except ValueError as refusal:
             raise LineRejected("invalid_body", str(refusal)) from None
+        tools_argument = {"tools": template_tools} if template_tools else {}
+        # An image line's prompt here is its text alone: what the line's checks count. The model's own rendering, with
+        # its image tokens, needs the decoded images, and is made when its chunk runs (`BatchRequest.images`).
+        images = None
+        if refs:
+            multimodal = self._template_conversation(messages, tools, with_images=True)
+            images = ImageInputs(multimodal, tuple(refs), {**tools_argument, **variables})
         try:
-            tools_argument = {"tools": template_tools} if template_tools else {}
             text = self._tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, **tools_argument, **variables
             )
@@ -254,7 +280,28 @@ class BatchLineValidator:
             raise LineRejected("invalid_body", f"the model's chat template rejected 'messages': {failure}") from None
         # The template already wrote the special tokens; adding them again would double the BOS.
         token_ids = self._non_empty(self._tokenizer.encode(text, add_special_tokens=False))
-        return ChatPrompt(token_ids, reasoning_plan(self._tokenizer.chat_template, text))
+        return ChatPrompt(token_ids, reasoning_plan(self._tokenizer.chat_template, text), images)
+
+    def _template_conversation(
+        self, messages: list[ChatMessage], tools: list[Tool] | None, *, with_images: bool
+    ) -> list[dict[str, Any]]:
+        """The messages as the chat template is given them. Templates rarely know OpenAI's newer "developer" role; it
+        means what "system" always meant. A message's `name` goes to the template too: templates that have a place
+        for it (e.g. Llama 3's tool turns, some Mistral ones) use it, the rest leave it out, as with OpenAI's own
+        models. A message of parts is its texts joined, or `with_images`, transformers' multimodal content list,
+        each image part `{"type": "image"}`."""
+        conversation = [
+            {
+                **message.model_dump(exclude_none=True),
+                "role": "system" if message.role == "developer" else message.role,
+                **({"content": _template_content(message.content, with_images)} if isinstance(message.content, list) else {}),
+            }
+            for message in messages
+        ]
+        conversation = template_messages(conversation, self._call_syntax)
+        if tools and self._call_syntax is None:
+            conversation = generic_tool_prompt(conversation, tools)
+        return conversation
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

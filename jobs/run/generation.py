@@ -6,10 +6,15 @@ for all of them, reading its batch's stop flag every `STOP_POLL_SECONDS` and abo
 the engine when the batch is cancelled or expires. A request the engine refused or a step blamed on it becomes
 its line's error record; an engine that failed (`EngineFailed`) fails the whole chunk, which records nothing, to be
 run again by a worker whose engine runs (jobs/tasks.py).
+
+A line with images (`BatchRequest.images`) is not submitted with the others: its images are fetched and decoded on
+the chunk's own bounded pool (`jobs.images.prefetch`) while the engine runs the text lines, and a line whose image
+fails, or whose model reads text only (`model_not_multimodal`: every model this engine loop serves), gets its error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from collections.abc import Sequence
@@ -18,9 +23,12 @@ from typing import TYPE_CHECKING
 
 from engine.admission import EngineFailed
 from jobs.batch_limits import BatchLimits
+from jobs.images.inputs import ImageLimits
+from jobs.images.prefetch import ImagePrefetch, settle_images
+from jobs.images.sources import ImageSources, ProjectStore
 from jobs.models import Batch
 from jobs.openai_format.records import error_record, response_record
-from jobs.openai_format.requests import BatchRequest
+from jobs.openai_format.requests import BatchRequest, EmbeddingRequest
 from jobs.openai_format.responses import BatchOutputLine
 from jobs.openai_format.validation import LineError
 from jobs.run.kinds import ChunkResult, EngineHandle
@@ -28,6 +36,7 @@ from jobs.run.openai_lines import OpenAILinesKind, expired_record, records_resul
 from jobs.run.split import LineNumber
 from jobs.stop_flags import StopFlags, StopReason
 from jobs.storage import ObjectStore
+from jobs.webhooks.targets import AllowList
 
 if TYPE_CHECKING:  # the API process imports no engine (nor torch)
     from engine.engine_loop import RequestHandle
@@ -40,17 +49,57 @@ STOP_POLL_SECONDS = 0.5
 
 class GenerationKind(OpenAILinesKind):
     def __init__(
-        self, engine: EngineHandle, store: ObjectStore, stop_flags: StopFlags, per_chunk: int, limits: BatchLimits
+        self,
+        engine: EngineHandle,
+        store: ObjectStore,
+        stop_flags: StopFlags,
+        per_chunk: int,
+        limits: BatchLimits,
+        image_limits: ImageLimits = ImageLimits(),
+        image_allow_list: AllowList = AllowList(frozenset(), ()),
     ) -> None:
-        super().__init__(engine, store, per_chunk, limits)
+        """image_allow_list: `CONVEYOR_IMAGE_ALLOWED_HOSTS`, the hosts image URLs may name although not public."""
+        super().__init__(engine, store, per_chunk, limits, image_limits)
         self.stop_flags = stop_flags
+        self.image_allow_list = image_allow_list
 
     def run_chunk(self, batch: Batch, chunk_index: int, lines: Sequence[tuple[LineNumber, bytes]]) -> ChunkResult:
         records, requests = self.checked_lines(batch, lines)
-        run_id = secrets.token_hex(4)  # keeps engine request ids unique should a lapsed lease let this chunk run twice
+        sources = ImageSources(self.image_limits, self.image_allow_list, ProjectStore(self.store, batch.project_id))
+        with ImagePrefetch(sources) as prefetch:
+            # Image lines are fetched and decoded on the chunk's own threads while the engine runs its text lines.
+            images = [
+                (line_number, request, prefetch.submit(request.images))
+                for line_number, request in requests
+                if isinstance(request, BatchRequest) and request.images is not None
+            ]
+            model = batch.model or self.engine.model_name
+            run_id = secrets.token_hex(4)  # keeps request ids unique should a lapsed lease let this chunk run twice
+            submitted = self._submit_text_lines(batch, chunk_index, run_id, requests)
+            for line_number, request, pending in images:
+                line_model = request.sampling_params.adapter or model
+                settled = settle_images(request.custom_id, pending, line_model, self.engine.served)
+                # Only a model whose engine reads images is announced with `accepts_images`; this worker's engine loop
+                # takes prompts of tokens only, so none of its models is, and every image line settles as an error.
+                assert isinstance(settled, LineError), f"{line_model!r} is announced as reading images"
+                # Located as validate locates its errors: the client finds the line in its input file
+                records.append(error_record(dataclasses.replace(settled, message=f"line {line_number}: {settled.message}")))
+        records += self._generation_records(batch.id, model, submitted)
+        return records_result(records)
+
+    def _submit_text_lines(
+        self,
+        batch: Batch,
+        chunk_index: int,
+        run_id: str,
+        requests: list[tuple[LineNumber, BatchRequest | EmbeddingRequest]],
+    ) -> list[tuple[BatchRequest, list[RequestHandle]]]:
+        """Every line without images, submitted to the engine at once."""
         submitted: list[tuple[BatchRequest, list[RequestHandle]]] = []
         for line_number, request in requests:
             assert isinstance(request, BatchRequest)  # the batch's endpoint generates
+            if request.images is not None:
+                continue
             handles = [
                 self.engine.loop.submit(
                     prompt,
@@ -61,8 +110,7 @@ class GenerationKind(OpenAILinesKind):
                 for prompt_index, prompt in enumerate(request.prompts)
             ]
             submitted.append((request, handles))
-        records += self._generation_records(batch.id, batch.model or self.engine.model_name, submitted)
-        return records_result(records)
+        return submitted
 
     def _generation_records(
         self, batch_id: str, model: str, submitted: list[tuple[BatchRequest, list[RequestHandle]]]

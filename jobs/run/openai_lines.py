@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jobs.batch_limits import BatchLimits
+from jobs.images.inputs import ImageLimits
 from jobs.models import Batch, File
 from jobs.openai_format.records import error_record
 from jobs.openai_format.requests import BatchRequest, EmbeddingRequest
@@ -55,11 +56,19 @@ class RequestLines:
 class OpenAILinesKind:
     """The part of `jobs.run.kinds.JobKind` both OpenAI kinds share; each adds its `run_chunk`."""
 
-    def __init__(self, engine: EngineHandle, store: ObjectStore, per_chunk: int, limits: BatchLimits) -> None:
+    def __init__(
+        self,
+        engine: EngineHandle,
+        store: ObjectStore,
+        per_chunk: int,
+        limits: BatchLimits,
+        image_limits: ImageLimits = ImageLimits(),
+    ) -> None:
         self.engine = engine
         self.store = store
         self.per_chunk = per_chunk  # CONVEYOR_CHUNK_SIZE
         self.limits = limits  # how many requests (and embedding inputs) one batch may hold
+        self.image_limits = image_limits  # CONVEYOR_IMAGE_*: a line's image count is checked with the line
 
     def validator(self, batch: Batch) -> BatchLineValidator:
         return BatchLineValidator(
@@ -69,6 +78,7 @@ class OpenAILinesKind:
             models=self.engine.served,
             batch_model=batch.model,
             limits=self.engine.admission_limits,
+            image_limits=self.image_limits,
         )
 
     def checked_lines(

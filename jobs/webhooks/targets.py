@@ -121,8 +121,19 @@ def why_forbidden(address: IpAddress) -> str | None:
     return next((reason for applies, reason in checks if applies), None)
 
 
-def resolve_target(url: str, allow_list: AllowList) -> WebhookTarget:
-    """The address to POST `url` to: every address its host resolves to must be permitted, since a client
+@dataclass(frozen=True)
+class TargetUse:
+    """What a checked URL is for, in the words of a refusal: the guard serves webhooks and image fetches alike."""
+
+    refused: str  # "webhooks cannot be sent to"
+    allow_setting: str  # the allow-list variable an operator may set
+
+
+WEBHOOK_USE = TargetUse("webhooks cannot be sent to", "CONVEYOR_WEBHOOK_ALLOWED_HOSTS")
+
+
+def resolve_target(url: str, allow_list: AllowList, use: TargetUse = WEBHOOK_USE) -> WebhookTarget:
+    """The address to send `url` to: every address its host resolves to must be permitted, since a client
     could otherwise mix a public and a private answer and hope for the private one."""
     parts = parse_webhook_url(url)
     addresses = _resolve(parts.hostname, parts.port)
@@ -131,8 +142,7 @@ def resolve_target(url: str, allow_list: AllowList) -> WebhookTarget:
         if reason is not None and not allow_list.permits(parts.hostname, address):
             problem = reason if _is_address(parts.hostname) else f"it resolves to {address}, {reason}"
             raise WebhookTargetRefused(
-                f"webhooks cannot be sent to {parts.hostname}: {problem} "
-                "(an operator can allow it with CONVEYOR_WEBHOOK_ALLOWED_HOSTS)"
+                f"{use.refused} {parts.hostname}: {problem} (an operator can allow it with {use.allow_setting})"
             )
     return WebhookTarget(url=parts, address=addresses[0])
 
@@ -142,7 +152,7 @@ def post_to_target(
 ) -> HttpAnswer:
     """POST `body` to the checked address; raises OSError (timeouts, refused connections, TLS failures).
     The answer's body is never read: its status is all that counts, and a slow body cannot hold us."""
-    connection = _PinnedConnection(target, timeout_s)
+    connection = PinnedConnection(target, timeout_s)
     try:
         connection.request("POST", target.url.path, body=body, headers=dict(headers))
         response = connection.getresponse()
@@ -153,13 +163,14 @@ def post_to_target(
         connection.close()
 
 
-class _PinnedConnection(http.client.HTTPConnection):
-    """An HTTP(S) connection to `target.address` whatever DNS says now; Host and TLS name stay the URL's."""
+class PinnedConnection(http.client.HTTPConnection):
+    """An HTTP(S) connection to `target.address` whatever DNS says now; Host and TLS name stay the URL's. `tls`: the
+    context https verifies with (None: the system's trusted certificates); image fetches use it too."""
 
-    def __init__(self, target: WebhookTarget, timeout_s: float) -> None:
+    def __init__(self, target: WebhookTarget, timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
         super().__init__(target.url.hostname, target.url.port, timeout=timeout_s)
         self._address = target.address
-        self._tls = ssl.create_default_context() if target.url.scheme == "https" else None
+        self._tls = (tls or ssl.create_default_context()) if target.url.scheme == "https" else None
         if self._tls is not None:
             self.default_port = 443  # a Host header without ":443", as any https client sends it
 

@@ -3,6 +3,8 @@ process holding SmolLM2, PostgreSQL, Redis and SeaweedFS."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import time
 from collections import Counter
@@ -45,6 +47,16 @@ def completion_line(custom_id: str, prompt: str, **body: Any) -> dict[str, Any]:
         "url": COMPLETIONS,
         "body": {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **body},
     }
+
+
+def image_line(custom_id: str, size: tuple[int, int]) -> dict[str, Any]:
+    from PIL import Image
+
+    image = io.BytesIO()
+    Image.new("L", size).save(image, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {**chat_line(custom_id, "x"), "body": {"messages": [{"role": "user", "content": content}], "max_tokens": 4}}
 
 
 def jsonl(lines: list[dict[str, Any] | str]) -> bytes:
@@ -101,6 +113,9 @@ def chat_file(prefix: str, count: int) -> tuple[bytes, set[str], dict[str, str]]
             f"{prefix}-unknown-param",
             "invalid_body",
         ),
+        # Image lines pass validate, are read when their chunk runs, and fail there: the model reads text only
+        (image_line(f"{prefix}-image", (16, 16)), f"{prefix}-image", "model_not_multimodal"),
+        (image_line(f"{prefix}-image-strip", (1, 100_000)), f"{prefix}-image-strip", "image_too_large"),
     ]
     lines: list[dict[str, Any] | str] = list(good)
     spacing = count // len(bad) + 1
@@ -118,7 +133,7 @@ def completion_file(prefix: str, count: int) -> tuple[bytes, set[str]]:
 
 def test_openai_sdk_runs_batches_with_bad_lines_to_completion(stack: Stack) -> None:
     client = client_for(stack, stack.new_key("sdk-project"))
-    # 104 request lines in all, 9 of them bad. The chat batch has one chunk more than the worker runs at once, so its
+    # 106 request lines in all, 11 of them bad. The chat batch has one chunk more than the worker runs at once, so its
     # progress is visible between chunks.
     chat_bytes, chat_ids, chat_errors = chat_file("chat", 72)
     completion_bytes, completion_ids = completion_file("cmpl", 23)

@@ -90,7 +90,7 @@ def test_the_anthropic_sdk_runs_a_message_batch_with_tools_and_a_bad_request(sta
     assert tool_use.name == "get_weather" and isinstance(tool_use.input, dict) and isinstance(tool_use.input["city"], str)
     assert results["tool-result"].type == "succeeded"
     assert [block.type for block in results["tool-result"].message.content] == ["text"]
-    for bad, problem in (("image", "image blocks are not supported"), ("no-max-tokens", "max_tokens")):
+    for bad, problem in (("image", "an image URL must be a data: URL, an https:// URL or an s3:// URI"), ("no-max-tokens", "max_tokens")):
         errored = results[bad]
         assert errored.type == "errored"
         assert errored.error.type == "error" and errored.error.error.type == "invalid_request_error"

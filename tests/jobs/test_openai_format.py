@@ -123,7 +123,7 @@ def test_lines_without_a_readable_custom_id_are_rejected(line: str | bytes, code
         (chat_line("a", messages=[{"role": "tool", "content": "x"}]), "invalid_body", "need tool_call_id"),
         (chat_line("a", messages=[{"role": "robot", "content": "x"}]), "invalid_body", "'body.messages[0].role'"),
         (chat_line("a", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-         "invalid_body", "only text input is supported"),
+         "invalid_body", "content[0].image_url.url: Field required"),
         (chat_line("a", temperature="hot"), "invalid_body", "'body.temperature': Input should be a valid number"),
         (chat_line("a", n=1.5), "invalid_body", "'body.n': Input should be a valid integer"),
         (chat_line("a", max_tokens="10"), "invalid_body", "'body.max_tokens'"),

@@ -4,6 +4,7 @@ real SmolLM2 engine, the real embedding model, Redis stop flags and S3, and no p
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import secrets
 import threading
@@ -169,6 +170,53 @@ def test_generation_fails_the_whole_chunk_when_the_engine_fails(
     body = {"model": DEFAULT_MODEL, "prompt": "One, two,", "max_tokens": 3}
     with pytest.raises(EngineFailed, match="rank 1"):
         kind.run_chunk(batch("/v1/completions"), 0, [(1, line("a", "/v1/completions", body))])
+
+
+def test_image_lines_are_read_from_the_projects_inbox_and_fail_alone(
+    engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore
+) -> None:
+    """The default model reads text only: an image line is read in full (from the project's own inbox in the store,
+    nowhere else), then fails with model_not_multimodal, or with its image's own code; the text line beside it runs."""
+    from PIL import Image
+
+    from jobs.object_keys import inbox_key
+
+    def png(size: tuple[int, int]) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", size, (1, 2, 3)).save(out, format="PNG")
+        return out.getvalue()
+
+    job = batch("/v1/chat/completions", project_id=f"proj_{secrets.token_hex(4)}")
+    settings = object_store.settings
+    object_store.put_bytes(inbox_key(job.project_id, "cat.png"), png((16, 16)))
+    object_store.put_bytes(inbox_key(job.project_id, "strip.png"), png((1, 5000)))
+    object_store.put_bytes(inbox_key("proj_other", "cat.png"), png((16, 16)))
+
+    def image_line(custom_id: str, key: str) -> bytes:
+        uri = f"s3://{settings.bucket}/{settings.prefix}{key}"
+        content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": uri}}]
+        return line(custom_id, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+
+    chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
+    lines = [
+        (1, image_line("own", inbox_key(job.project_id, "cat.png"))),
+        (2, image_line("other-project", inbox_key("proj_other", "cat.png"))),
+        (3, image_line("absent", inbox_key(job.project_id, "dog.png"))),
+        (4, image_line("strip", inbox_key(job.project_id, "strip.png"))),
+        (5, line("text", "/v1/chat/completions", chat)),
+    ]
+    result = GenerationKind(engine, object_store, stop_flags, per_chunk=10, limits=LIMITS).run_chunk(job, 0, lines)
+    assert (result.completed, result.failed) == (1, 4)
+    assert jsonl(result.output)[0]["custom_id"] == "text"
+    errors = {record["custom_id"]: record["error"] for record in jsonl(result.errors)}
+    assert {custom_id: error["code"] for custom_id, error in errors.items()} == {
+        "own": "model_not_multimodal",
+        "other-project": "image_fetch_failed",
+        "absent": "image_fetch_failed",
+        "strip": "image_too_large",
+    }
+    assert f"'{DEFAULT_MODEL}' reads text only" in errors["own"]["message"]
+    assert "outside this project's inbox" in errors["other-project"]["message"]
 
 
 def test_embeddings_answer_a_chunk_in_one_call(engine: EngineHandle, object_store: ObjectStore) -> None:

@@ -115,6 +115,28 @@ def test_a_quantized_model_shows_how_it_runs_in_v1_models() -> None:
         redis.delete(*redis.keys(f"{prefix}*") or [f"{prefix}none"])
 
 
+def test_v1_models_says_which_models_read_images() -> None:
+    """The flag travels through the registry; an adapter reads what its base reads. Every model served today reads
+    text only (the engine's model sets `accepts_images`)."""
+    from api.models import ModelObject
+
+    redis = Redis.from_url("redis://127.0.0.1:6379/0")
+    prefix = f"test-{secrets.token_hex(4)}:"
+    try:
+        registry = ModelRegistry(redis, prefix)
+        registry.announce(process_models(["vlm"], "all-minilm-l6-v2", ["tone"], accepts_images=True))
+        registry.announce(process_models(["llm"], "all-minilm-l6-v2"))
+        served = {model.id: model for model in registry.served()}
+        modalities = {name: ModelObject.of(name, model).input_modalities for name, model in served.items()}
+        assert modalities == {
+            "vlm": ["text", "image"], "tone": ["text", "image"], "llm": ["text"], "all-minilm-l6-v2": ["text"]
+        }
+        names = ModelNames(list(served.values()), {})
+        assert names.accepts_images("tone") and names.accepts_images("vlm") and not names.accepts_images("llm")
+    finally:
+        redis.delete(*redis.keys(f"{prefix}*") or [f"{prefix}none"])
+
+
 def test_a_model_leaves_the_registry_once_no_worker_re_announces_it() -> None:
     redis = Redis.from_url("redis://127.0.0.1:6379/0")
     prefix = f"test-{secrets.token_hex(4)}:"
