@@ -126,8 +126,8 @@ class Int4CheckpointTensor:
         whole = self.unpacked()
         rows = index[0]
         q, zeros, scales, g_idx = whole.q[rows], whole.zeros[rows], whole.scales[rows], whole.g_idx
-        if len(index) > 1 and index[1] != slice(None):
-            start, stop = index[1].start or 0, index[1].stop
+        start, stop = (index[1].start or 0, index[1].stop) if len(index) > 1 else (0, None)
+        if (start, stop) not in ((0, None), (0, self.in_features)):
             if not torch.equal(g_idx, torch.arange(self.in_features) // self.group_size):
                 raise ValueError(
                     f"{self.name}: a GPTQ act-order (desc_act) checkpoint cannot split a row-parallel projection's "
