@@ -246,3 +246,21 @@ def test_fp8_static_activation_scales_are_refused(tiny_llama_folder, tmp_path):
     save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"static fp8 activation scales are not supported; supported: dynamic"):
         LLM(model=str(checkpoint), dtype="float32", device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_fp8_scaled_mm_matches_the_w8a8_reference_on_cuda():
+    """The CUDA path (torch._scaled_mm, Hopper and newer) against the CPU path's numbers: per-token float8
+    activations and the per-row-scaled float8 weight, dequantized and multiplied in float32."""
+    from engine.quantization.fp8 import FP8, _scaled_mm_linear, dequantize, quantize_per_token
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=generator) * 0.1
+    scale = weight.abs().amax(dim=1) / 448
+    weight8 = (weight / scale[:, None]).to(FP8)
+    x = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
+    x8, x_scale = quantize_per_token(x)
+    reference = (x8.float() * x_scale) @ dequantize(weight8, scale).T
+    got = _scaled_mm_linear(x.cuda(), weight8.cuda(), scale.cuda())
+    torch.testing.assert_close(got.float().cpu(), reference, rtol=2e-2, atol=2e-2)
