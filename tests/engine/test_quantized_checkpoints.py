@@ -8,8 +8,8 @@ model whose weights are the formats' dequantized values.
 
 - AWQ and GPTQ (weight-only) generate what the dequantized model generates, loaded by conveyor unquantized and
   by transformers, token for token, batched, with chunked prefill;
-- FP8 weight-only (compressed-tensors, per-channel) likewise; FP8 W8A8 (dynamic per-token activations) picks the
-  unquantized model's first token, its log-prob within 0.5 nats (see W8A8_FIRST_TOKEN_LOGPROB_TOLERANCE);
+- FP8 weight-only (compressed-tensors, per-channel) likewise; FP8 W8A8 (per-tensor weights, dynamic per-token
+  activations) agrees with the unquantized model teacher-forced (see W8A8_AGREEMENT for what and why);
 - the quantization shows in /v1/models' terms (`describe`); tensor-parallel shards of the packed weights are the
   shards of the dequantized ones; act-order refuses a row-parallel split by name.
 """
@@ -214,26 +214,37 @@ def test_fp8_weight_only_matches_the_dequantized_model(tiny_llama_folder, tmp_pa
     assert gate_up.fp8_weight.dtype == torch.float8_e4m3fn and gate_up.fp8_scale.shape == (gate_up.out_features,)
 
 
-# W8A8 on the tiny random model: float8 e4m3 keeps 3 mantissa bits, so weights and activations move by up to
-# ~3%, and this untrained model's near-flat next-token distributions (top log-probs about -2) flip within a few
-# steps: measured, 8 of 36 greedy tokens agree before the prompts' continuations part (the issue's >= 95% holds
-# for trained models, not this one). What is asserted: every prompt's first token agrees, its log-prob within
-# this many nats of the unquantized model's.
-W8A8_FIRST_TOKEN_LOGPROB_TOLERANCE = 0.5
+# W8A8's oracle. float8 e4m3 keeps 3 mantissa bits: each matmul moves by ~3-4% (measured on random matrices), so
+# over free-running generation the tiny random model, whose next-token distributions are near flat (top log-probs
+# about -2), parts from the unquantized one within a few tokens (measured: 8 of 36 greedy tokens before the
+# prompts' continuations differ; on the real SmolLM2-135M 26 of 64). Asserted, teacher-forced (the unquantized
+# model's tokens fed as the prompt, so one difference does not change every later position): the top token agrees
+# at >= 95% of the positions (measured 161 / 168) and the fed tokens' log-probs differ by at most this much on
+# average (measured 0.092 nats) and at most W8A8_MAX_LOGPROB_DIFFERENCE anywhere (measured 0.41).
+W8A8_AGREEMENT, W8A8_MEAN_LOGPROB_DIFFERENCE, W8A8_MAX_LOGPROB_DIFFERENCE = 0.95, 0.12, 0.5
 
 
 def test_fp8_w8a8_agrees_with_the_unquantized_model(tiny_llama_folder, tmp_path):
     checkpoint, _ = make_fp8_checkpoints(tiny_llama_folder, tmp_path, per_channel=False, dynamic=True,
                                          dequantized_copy=False)
     options = dict(dtype="float32", device="cpu", max_num_batched_tokens=64)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
-    want = _generate(LLM(model=str(tiny_llama_folder), **options), params)
-    quantized = LLM(model=str(checkpoint), **options)
-    got = _generate(quantized, params)
-    for ours, theirs in zip(got, want):
-        token = theirs.token_ids[0]
-        assert ours.token_ids[0] == token
-        assert abs(ours.logprobs[0][token] - theirs.logprobs[0][token]) <= W8A8_FIRST_TOKEN_LOGPROB_TOLERANCE
+    reference, quantized = LLM(model=str(tiny_llama_folder), **options), LLM(model=str(checkpoint), **options)
+    forced = [prompt + output.token_ids for prompt, output in zip(PROMPTS, _generate(reference))]
+    scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    positions = agreeing = 0
+    differences = []
+    for theirs, ours in zip(reference.generate(forced, scoring, use_tqdm=False),
+                            quantized.generate(forced, scoring, use_tqdm=False)):
+        for expected, got in zip(theirs.prompt_logprobs, ours.prompt_logprobs):
+            if expected is None:  # the first token has no log-prob
+                continue
+            positions += 1
+            agreeing += max(expected, key=expected.get) == max(got, key=got.get)
+            token = next(iter(expected))  # the fed token comes first, then the top alternative
+            differences.append(abs(expected[token] - got[token]))
+    assert agreeing >= W8A8_AGREEMENT * positions
+    assert sum(differences) / len(differences) <= W8A8_MEAN_LOGPROB_DIFFERENCE
+    assert max(differences) <= W8A8_MAX_LOGPROB_DIFFERENCE
     described = quantized.engine.model_config.quantization.describe()
     assert described == {"method": "fp8", "bits": 8, "group_size": None, "checkpoint_method": "fp8",
                          "weight_scales": "tensor", "activations": "fp8 per token, dynamic"}
