@@ -10,8 +10,9 @@ model whose weights are the formats' dequantized values.
   by transformers, token for token, batched, with chunked prefill;
 - FP8 weight-only (compressed-tensors, per-channel) likewise; FP8 W8A8 (per-tensor weights, dynamic per-token
   activations) agrees with the unquantized model teacher-forced (see W8A8_AGREEMENT for what and why);
-- the quantization shows in /v1/models' terms (`describe`); tensor-parallel shards of the packed weights are the
-  shards of the dequantized ones; act-order refuses a row-parallel split by name.
+- two tensor-parallel ranks holding packed shards generate the same; the shards of the packed tensors are the
+  shards of the dequantized weight; act-order refuses a row-parallel split by name;
+- the quantization shows in /v1/models' terms (`describe`).
 """
 
 from __future__ import annotations
@@ -148,27 +149,36 @@ def test_int4_checkpoint_matches_the_dequantized_model(method, group_size, act_o
     assert qkv.qweight.dtype == torch.uint8 and not hasattr(qkv, "weight")  # 4-bit groups, no float copy
     assert qkv.qweight.numel() == qkv.out_features * qkv.in_features // group_size * (5 + group_size // 2)
     assert (qkv.w4_perm is not None) == act_order
+    if act_order:  # act-order's groups are scattered over the input features: a row-parallel split is refused
+        tensor = _int4_tensor(checkpoint, method, "model.layers.0.mlp.down_proj", group_size, 1)
+        with pytest.raises(ValueError, match=r"act-order \(desc_act\) checkpoint cannot split a row-parallel"):
+            tensor.piece((slice(None), slice(0, 128)))
 
 
-def test_int4_tensor_parallel_shards_are_the_dequantized_shards(tiny_llama_folder, tmp_path):
-    """Column shards (output rows) and row shards (input features, whole groups) of the packed tensors
-    dequantize to the same shards of the whole; act-order refuses a split of the input features by name."""
-    checkpoint, _ = make_int4_checkpoints(tiny_llama_folder, tmp_path, "awq", 32, False)
-    tensors = load_file(str(checkpoint / "model.safetensors"))
-    module = "model.layers.0.mlp.down_proj"
-    tensor = Int4CheckpointTensor("awq", module, tensors[f"{module}.qweight"], tensors[f"{module}.qzeros"],
-                                  tensors[f"{module}.scales"], None, 32, 0)
+def test_int4_checkpoint_runs_tensor_parallel(tiny_llama_folder, tmp_path):
+    """Two ranks, each holding its packed shard (q/k/v and gate/up by output rows, o and down by whole groups of
+    input features), generate what the dequantized model generates unsharded."""
+    checkpoint, dequantized = make_int4_checkpoints(tiny_llama_folder, tmp_path, "awq", 32, False)
+    options = dict(dtype="float32", device="cpu", max_num_batched_tokens=64)
+    want = [o.token_ids for o in _generate(LLM(model=str(dequantized), **options))]
+    sharded = LLM(model=str(checkpoint), tensor_parallel_size=2, **options)
+    try:
+        assert [o.token_ids for o in _generate(sharded)] == want
+    finally:
+        sharded.engine.close()
+    # the shards of the packed tensors are the shards of the dequantized weight; a split inside a group is refused
+    tensor = _int4_tensor(checkpoint, "awq", "model.layers.0.mlp.down_proj", 32, 0)
     whole = tensor[:]
     assert torch.equal(dequantize_piece(tensor.piece((slice(64, 128),))), whole[64:128])
     assert torch.equal(dequantize_piece(tensor.piece((slice(None), slice(128, 256)))), whole[:, 128:256])
     with pytest.raises(ValueError, match=r"does not fall on the checkpoint's groups of 32"):
         tensor.piece((slice(None), slice(16, 48)))
-    gptq, _ = make_int4_checkpoints(tiny_llama_folder, tmp_path / "g", "gptq", 32, True)
-    tensors = load_file(str(gptq / "model.safetensors"))
-    act_order = Int4CheckpointTensor("gptq", module, tensors[f"{module}.qweight"], tensors[f"{module}.qzeros"],
-                                     tensors[f"{module}.scales"], tensors[f"{module}.g_idx"], 32, 1)
-    with pytest.raises(ValueError, match=r"act-order \(desc_act\) checkpoint cannot split a row-parallel"):
-        act_order.piece((slice(None), slice(0, 128)))
+
+
+def _int4_tensor(checkpoint: Path, layout: str, module: str, group_size: int, zero_offset: int) -> Int4CheckpointTensor:
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    return Int4CheckpointTensor(layout, module, tensors[f"{module}.qweight"], tensors[f"{module}.qzeros"],
+                                tensors[f"{module}.scales"], tensors.get(f"{module}.g_idx"), group_size, zero_offset)
 
 
 def make_fp8_checkpoints(
