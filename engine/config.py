@@ -342,7 +342,7 @@ def _compressed_tensors_quantization(quantization: dict[str, Any]) -> Quantizati
     scales, activations float8 per token, dynamic, or not quantized (weight-only)."""
     schemes = list((quantization.get("config_groups") or {}).values())
     supported = (
-        "compressed-tensors float8 weights (num_bits 8, type float, strategy tensor or channel) with activations "
+        "compressed-tensors float8 weights (num_bits 8, type float, strategy tensor or channel, symmetric) with activations "
         "fp8 per token (dynamic, strategy token) or unquantized"
     )
     if not schemes:
@@ -350,8 +350,8 @@ def _compressed_tensors_quantization(quantization: dict[str, Any]) -> Quantizati
     found: set[tuple[str, bool]] = set()
     for scheme in schemes:
         weights, activations = scheme.get("weights") or {}, scheme.get("input_activations")
-        if (weights.get("num_bits"), weights.get("type"), weights.get("strategy")) not in (
-            (8, "float", "tensor"), (8, "float", "channel")
+        if (weights.get("num_bits"), weights.get("type"), weights.get("strategy"), weights.get("symmetric", True)) not in (
+            (8, "float", "tensor", True), (8, "float", "channel", True)
         ):
             raise ValueError(f"compressed-tensors weights {weights} are not supported; supported: {supported}")
         if activations is not None and (
