@@ -22,4 +22,6 @@ def full_shape(tensor: CheckpointTensor) -> tuple[int, ...]:
 
 
 def read_whole(tensor: CheckpointTensor) -> torch.Tensor:
-    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    return tensor[:] if full_shape(tensor) else tensor[()]  # a scalar (an FP8 per-tensor scale) takes no slice

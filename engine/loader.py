@@ -3,7 +3,7 @@ them), or deterministic random numbers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 
 from engine.parallel_layers import CheckpointTensor
+from engine.config import ModelConfig
+from engine.quantization import fp8, w4a16
 from engine.quantization.gguf import GGUFTensor, check_supported
 
 DUMMY_WEIGHT_STD = 0.02  # small enough that 30+ layers of residual sums stay far inside bf16's range
@@ -35,8 +37,19 @@ def iter_safetensors_slices(folder: Path) -> Iterator[tuple[str, CheckpointTenso
 
 
 def iter_checkpoint(folder: Path, hf_config: dict[str, Any]) -> Iterator[tuple[str, CheckpointTensor]]:
-    """`iter_safetensors_slices`, with an imported GGUF's block tensors wrapped (`with_gguf_blocks`)."""
-    return with_gguf_blocks(iter_safetensors_slices(folder), hf_config)
+    """`iter_safetensors_slices`, with a quantized checkpoint's tensors wrapped as its method reads them: an
+    imported GGUF's blocks (`with_gguf_blocks`), an AWQ / GPTQ projection's packed tensors or an FP8 projection's
+    weight and scale gathered into one (engine/quantization/w4a16.py, fp8.py)."""
+    tensors = with_gguf_blocks(iter_safetensors_slices(folder), hf_config)
+    quantization = ModelConfig.from_hf(hf_config).quantization if hf_config.get("quantization_config") else None
+    if quantization is None:
+        return tensors
+    wrappers: dict[str, Callable[[], Iterator[tuple[str, CheckpointTensor]]]] = {
+        "awq": lambda: w4a16.wrap_checkpoint(tensors, "awq", quantization.group_size, quantization.zero_offset),
+        "gptq": lambda: w4a16.wrap_checkpoint(tensors, "gptq", quantization.group_size, quantization.zero_offset),
+        "fp8": lambda: fp8.wrap_checkpoint(tensors),
+    }
+    return wrappers[quantization.method]() if quantization.method in wrappers else tensors
 
 
 def with_gguf_blocks(

@@ -181,12 +181,12 @@ def _build_model(spec: ShardSpec, device: torch.device, group: TensorParallelGro
         backend = TorchAttention(use_cpu_kernels, shared_prefix)
         kernels = "cpu" if use_cpu_kernels else "torch"
     quantization = model_quantization(spec.model_config, config)
-    if spec.source.load_format == "dummy" and quantization is not None and quantization.method == "gguf":
-        quantization = None  # random weights of the GGUF's shape: there are no blocks to keep
-    if quantization is not None and device.type != "cpu":
+    if spec.source.load_format == "dummy" and quantization is not None and quantization is spec.model_config.quantization:
+        quantization = None  # random weights of the quantized checkpoint's shape: there are no blocks to keep
+    if quantization is not None and device.type not in quantization.devices:
         raise ValueError(
-            f"quantization {quantization.method!r} runs on the CPU only so far (kernels/quantized_matmul.cpp); "
-            f"device is {device.type}"
+            f"quantization {quantization.method!r} runs on {' and '.join(quantization.devices)} only "
+            f"(kernels/quantized_matmul.cpp; AWQ / GPTQ / FP8 also on CUDA); device is {device.type}"
         )
     # Parameters are created in their final dtype on the device, and filled in place: building in float32 and
     # casting would hold twice the weights at the peak.

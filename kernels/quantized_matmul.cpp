@@ -1,4 +1,5 @@
-// Matmuls of quantized weights that dequantize on the fly (GGUF blocks, weight-only int8 / int4 groups).
+// Matmuls of quantized weights that dequantize on the fly (GGUF blocks, weight-only int8 / int4 groups, AWQ / GPTQ
+// 4-bit groups with zero points).
 // The body (quantized_matmul_body.h) is compiled three times: for AVX-512, for AVX2 + FMA, and portable; the
 // instruction set is chosen at run time from what the CPU reports (or forced by the caller, which is how the
 // tests run every path on one machine). Built without -march=native so the one build runs on any x86-64.
@@ -13,9 +14,11 @@
 
 namespace {
 
-// ggml's type ids, and the two weight-only group formats (ids of our own, outside ggml's range).
+// ggml's type ids, the two weight-only group formats, and the asymmetric 4-bit groups of AWQ / GPTQ checkpoints
+// (ids of our own, outside ggml's range).
 enum class Kind : int {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, INT8 = 1008, INT4 = 1004,
+  UINT4_ZP = 1005,
 };
 
 struct Format {
@@ -36,6 +39,7 @@ Format format_of(int64_t kind, int64_t group) {
     case Kind::Q6_K: return {Kind::Q6_K, 256, 210};
     case Kind::INT8: return {Kind::INT8, (int)group, 4 + (int)group};
     case Kind::INT4: return {Kind::INT4, (int)group, 4 + (int)group / 2};
+    case Kind::UINT4_ZP: return {Kind::UINT4_ZP, (int)group, 5 + (int)group / 2};
   }
   TORCH_CHECK(false, "quantized matmul: unknown weight format id ", kind);
 }

@@ -3,7 +3,8 @@ reference.
 
 A weight is a uint8 [rows, row_bytes] tensor of blocks, each row the blocks of one output feature: GGUF's
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K exactly as llama.cpp stores them, or the weight-only groups of
-engine/quantization/weight_only.py (INT8, INT4: a float32 scale then the group's values). `matmul` dequantizes
+engine/quantization/weight_only.py (INT8, INT4: a float32 scale then the group's values), or the 4-bit groups with
+a zero point of AWQ / GPTQ checkpoints (UINT4_ZP, repacked by engine/quantization/w4a16.py). `matmul` dequantizes
 16 rows at a time into float32 and multiplies them by every token while they sit in cache (4 tokens x 4 rows of
 register accumulators), so a decode step reads the weight's bytes once, a quarter to a half of bf16's.
 Dequantization gives bit for bit gguf-py's float32 values (see the .cpp); the products are float32 sums in
@@ -38,6 +39,8 @@ GGUF_FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
 }
 INT8, INT4 = 1008, 1004
+# AWQ / GPTQ 4-bit groups repacked at load (engine/quantization/w4a16.py): float32 scale, uint8 zero point, nibbles.
+UINT4_ZP = 1005
 
 
 @cache
@@ -62,7 +65,7 @@ def format_id(name: str) -> int:
 
 
 def dequantize(weight: torch.Tensor, format_id: int, group: int, columns: int, isa: Isa = "auto") -> torch.Tensor:
-    """float32 [rows, columns] values of uint8 [rows, row_bytes] blocks (`group`: INT8 / INT4 only, else 0)."""
+    """float32 [rows, columns] values of uint8 [rows, row_bytes] blocks (`group`: INT8 / INT4 / UINT4_ZP only, else 0)."""
     return load_quantized_kernels().dequantize(weight, format_id, group, columns, isa)
 
 

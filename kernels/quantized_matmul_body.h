@@ -164,6 +164,22 @@ static void dequant_int4_group(const uint8_t* b, float* y, int group) {
   }
 }
 
+// AWQ / GPTQ 4-bit groups with a zero point (engine/quantization/w4a16.py repacks the checkpoint's into these): a
+// float32 scale, the uint8 zero point (0..16: GPTQ v1 stores it minus one), then `group / 2` bytes whose low
+// nibbles hold the first half of the group and high nibbles the second. (q - zero) is a small integer, so with
+// the checkpoints' float16 scales every product is exact: the value is the formats' own (q - zero) * scale.
+static void dequant_uint4_zp_group(const uint8_t* b, float* y, int group) {
+  float scale;
+  __builtin_memcpy(&scale, b, 4);
+  const int zero = b[4];
+  const uint8_t* q = b + 5;
+  const int half = group / 2;
+  for (int j = 0; j < half; ++j) {
+    y[j] = scale * (float)((int)(q[j] & 0x0F) - zero);
+    y[j + half] = scale * (float)((int)(q[j] >> 4) - zero);
+  }
+}
+
 // One row of `columns` values from its blocks.
 static void dequantize_row(const Format& format, const uint8_t* row, float* y, int64_t columns) {
   const int64_t blocks = columns / format.block_values;
@@ -179,6 +195,7 @@ static void dequantize_row(const Format& format, const uint8_t* row, float* y, i
       case Kind::Q6_K: dequant_q6_k(row, y); break;
       case Kind::INT8: dequant_int8_group(row, y, format.block_values); break;
       case Kind::INT4: dequant_int4_group(row, y, format.block_values); break;
+      case Kind::UINT4_ZP: dequant_uint4_zp_group(row, y, format.block_values); break;
     }
   }
 }

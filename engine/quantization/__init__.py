@@ -9,6 +9,14 @@ oneDNN-packed bf16 copy, int8 groups...), and `apply` is the matmul. One method 
 - unquantized.py: the checkpoint's float weights, torch's matmul (oneDNN-packed for bf16 on CPU): today's path.
 - gguf.py: a GGUF file's quantized blocks kept as they are, multiplied by kernels/quantized_matmul.
 - weight_only.py: int8 / int4 groups quantized at load time from a float checkpoint, the same kernels.
+- w4a16.py: an AWQ or GPTQ checkpoint's 4-bit groups with zero points, repacked 4-bit for the CPU kernels or the
+  Triton W4A16 GEMM (kernels/w4a16_matmul.py).
+- fp8.py: an FP8 checkpoint's float8 weights (per-tensor / per-channel scales), W8A8 by torch._scaled_mm on CUDA,
+  dequantized on the fly elsewhere.
+
+Checkpoints that store a projection as several tensors (AWQ / GPTQ's qweight, qzeros, scales; FP8's weight and
+weight_scale) are gathered into one tensor per projection by the method's `wrap_checkpoint`, which
+engine/loader.py applies to the checkpoint's tensors.
 
 Embeddings, norms, MoE experts and routers stay unquantized: a quantized checkpoint tensor headed there is
 dequantized (exactly) as it is loaded.
@@ -16,7 +24,7 @@ dequantized (exactly) as it is loaded.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -69,13 +77,20 @@ def current_linear_method() -> LinearMethod:
 
 
 def linear_method(quantization: QuantizationConfig | None) -> LinearMethod:
+    from engine.quantization.fp8 import Fp8LinearMethod
     from engine.quantization.gguf import GGUFLinearMethod
     from engine.quantization.unquantized import UnquantizedLinearMethod
+    from engine.quantization.w4a16 import W4A16LinearMethod
     from engine.quantization.weight_only import WeightOnlyLinearMethod
 
     if quantization is None:
         return UnquantizedLinearMethod()
-    if quantization.method == "gguf":
-        return GGUFLinearMethod()
-    assert quantization.bits is not None and quantization.group_size is not None
-    return WeightOnlyLinearMethod(quantization.bits, quantization.group_size)
+    methods: dict[str, Callable[[QuantizationConfig], LinearMethod]] = {
+        "gguf": lambda q: GGUFLinearMethod(),
+        "int8": lambda q: WeightOnlyLinearMethod(8, q.group_size),
+        "int4": lambda q: WeightOnlyLinearMethod(4, q.group_size),
+        "awq": lambda q: W4A16LinearMethod(q.group_size),
+        "gptq": lambda q: W4A16LinearMethod(q.group_size),
+        "fp8": lambda q: Fp8LinearMethod(dynamic_activations=q.activation_scheme == "dynamic"),
+    }
+    return methods[quantization.method](quantization)

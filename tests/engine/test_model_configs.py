@@ -51,10 +51,43 @@ def test_gemma_fields():
     assert (nested.rope_theta, nested.local_rope_theta, nested.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors"])
-def test_quantized_checkpoints_are_refused_by_name(method):
-    with pytest.raises(ValueError, match=rf"quant_method='{method}'.*supported quantization methods: gguf.*int8 or int4"):
+@pytest.mark.parametrize("method", ["bitsandbytes", "hqq", "exl2"])
+def test_unsupported_quantized_checkpoints_are_refused_by_name(method):
+    with pytest.raises(
+        ValueError, match=rf"quant_method='{method}'.*supported quantization methods: gguf, awq, gptq, fp8, compressed-tensors"
+    ):
         config("LlamaForCausalLM", quantization_config={"quant_method": method, "bits": 4})
+
+
+@pytest.mark.parametrize(("quantization", "message"), [
+    ({"quant_method": "awq", "bits": 3, "group_size": 128}, r"awq checkpoint with bits=3 .* supported: bits=4"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, r"group_size=-1 .* supported: 32, 64, 128"),
+    ({"quant_method": "awq", "w_bit": 4, "q_group_size": 64, "version": "gemv"}, r"version 'gemv' .* supported: gemm"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, r"activation_scheme='static' .* supported: dynamic"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise weight scales .* supported: per-tensor"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
+     r"compressed-tensors weights .* supported: compressed-tensors float8 weights"),
+])
+def test_unsupported_quantization_variants_are_refused_by_name(quantization, message):
+    with pytest.raises(ValueError, match=message):
+        config("LlamaForCausalLM", quantization_config=quantization)
+
+
+def test_quantized_checkpoint_configs_are_read():
+    awq = config("LlamaForCausalLM", quantization_config={"quant_method": "awq", "w_bit": 4, "q_group_size": 64,
+                                                           "version": "GEMM", "zero_point": True}).quantization
+    assert awq.describe() == {"method": "awq", "bits": 4, "group_size": 64}
+    gptq = config("LlamaForCausalLM", quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                                            "desc_act": True}).quantization
+    assert gptq.describe() == {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True}
+    assert gptq.zero_offset == 1
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    tokens = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    fp8 = config("LlamaForCausalLM", quantization_config={
+        "quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": weights, "input_activations": tokens}},
+    }).quantization
+    assert fp8.describe() == {"method": "fp8", "bits": 8, "group_size": None, "checkpoint_method": "compressed-tensors",
+                              "weight_scales": "channel", "activations": "fp8 per token, dynamic"}
 
 
 def test_longrope_tables_match_transformers():

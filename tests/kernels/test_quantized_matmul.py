@@ -80,3 +80,26 @@ def test_a_path_the_cpu_lacks_is_refused():
         pytest.skip("this CPU runs every path")
     with pytest.raises(RuntimeError, match="this CPU cannot run the avx512 path"):
         quantized_matmul.dequantize(torch.zeros(1, 34, dtype=torch.uint8), GGUF_FORMATS["Q8_0"][0], 0, 32, "avx512")
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_uint4_zero_point_groups_match_the_awq_gptq_formula(group):
+    """AWQ / GPTQ groups repacked (engine/quantization/w4a16.py): dequantization is exactly (q - z) * s in float32
+    (zero points 0..16: GPTQ v1's stored 15 reads 16), the matmul dequantize-then-matmul, at odd shapes."""
+    from engine.quantization.w4a16 import Int4Piece, dequantize_piece, pack_uint4_zp
+
+    rows, columns = 37, 3 * group
+    generator = torch.Generator().manual_seed(group)
+    q = torch.randint(0, 16, (rows, columns), generator=generator, dtype=torch.uint8)
+    zeros = torch.randint(0, 17, (rows, 3), generator=generator, dtype=torch.uint8)
+    scales = (torch.rand(rows, 3, generator=generator) * 0.02 + 1e-3).half().float()
+    piece = Int4Piece(q, zeros, scales, torch.arange(columns) // group)
+    blocks = pack_uint4_zp(piece, group)
+    assert blocks.shape == (rows, 3 * (5 + group // 2))
+    expected = dequantize_piece(piece)
+    for tokens in (1, 7):
+        x = torch.randn(tokens, columns, generator=generator)
+        for isa in _paths():
+            assert torch.equal(quantized_matmul.dequantize(blocks, quantized_matmul.UINT4_ZP, group, columns, isa), expected)
+            got = quantized_matmul.matmul(x, blocks, quantized_matmul.UINT4_ZP, group, isa)
+            torch.testing.assert_close(got, matmul_reference(x, expected), rtol=1e-5, atol=1e-5 * columns ** 0.5)

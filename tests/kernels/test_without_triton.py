@@ -23,6 +23,7 @@ import kernels.kv_cache_write
 import kernels.prefill_attention
 import kernels.rmsnorm
 import kernels.rotary
+import kernels.w4a16_matmul
 
 x = torch.randn(2, 8)
 assert kernels.activation.silu_and_mul_reference(x).shape == (2, 4)
