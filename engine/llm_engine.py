@@ -158,18 +158,15 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         stream: bool = False,
-        images: Sequence[ImageInput] = (),
+        images: Sequence[ImageInput | PlacedImage] = (),
     ) -> None:
         """Queue a request. `prompt_token_ids` as the chat template renders them: with `images`, one image token per
         image (in order), which the engine expands into the image's placeholder tokens; those count in the context,
-        the admission limits and the KV budget like any prompt token."""
+        the admission limits and the KV budget like any prompt token. Or a prompt and images `place_images` already
+        expanded and preprocessed (off the engine's thread)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        placed: tuple[PlacedImage, ...] = ()
-        if images and self.vision_kind is None:
-            raise ValueError(f"model {self.model_name!r} does not take images (model_not_multimodal)")
-        if self.vision_kind is not None:
-            prompt_token_ids, placed = expand_image_prompt(self.vision_kind, prompt_token_ids, images)
+        prompt_token_ids, placed = self.place_images(prompt_token_ids, images)
         self._validate_prompt(prompt_token_ids)
         if params.adapter is not None and params.adapter not in self.adapter_names:
             raise ValueError(f"unknown LoRA adapter {params.adapter!r}; registered: {self.adapter_names}")
@@ -230,6 +227,19 @@ class LLMEngine:
             return None
         self.counters.requests_finished += 1
         return self.requests.abort(request_id)
+
+    def place_images(
+        self, prompt_token_ids: list[int], images: Sequence[ImageInput | PlacedImage]
+    ) -> tuple[list[int], tuple[PlacedImage, ...]]:
+        """The prompt with each image token expanded into its placeholders, and the images preprocessed and hashed
+        (ValueError for a mismatch, a non-RGB image, a refused detail, or images for a text-only model). Reads only
+        the model's processor settings: safe to call from any thread, so that the pixels are not prepared on the
+        engine's."""
+        if self.vision_kind is None:
+            if images:
+                raise ValueError(f"model {self.model_name!r} does not take images (model_not_multimodal)")
+            return prompt_token_ids, ()
+        return expand_image_prompt(self.vision_kind, prompt_token_ids, images)
 
     @property
     def accepts_images(self) -> bool:

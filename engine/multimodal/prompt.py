@@ -12,13 +12,19 @@ from engine.multimodal.kind import VisionLanguageKind
 
 
 def expand_image_prompt(
-    kind: VisionLanguageKind, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]
+    kind: VisionLanguageKind, prompt_token_ids: Sequence[int], images: Sequence[ImageInput | PlacedImage]
 ) -> tuple[list[int], tuple[PlacedImage, ...]]:
     """(expanded token ids, the images placed in them). Raises ValueError when the prompt's image tokens and the
-    images do not pair up one to one, or an image is not an RGB PIL image."""
+    images do not pair up one to one, or an image is not an RGB PIL image. Images already placed (`PlacedImage`s,
+    from an earlier call on another thread) come with their expanded prompt: checked, and returned as they are."""
     from PIL import Image
 
     token = kind.image_token_id
+    if images and all(isinstance(image, PlacedImage) for image in images):
+        placed_tokens = {p for image in images for p in range(image.offset, image.stop)}  # type: ignore[union-attr]
+        if any((t == token) != (p in placed_tokens) for p, t in enumerate(prompt_token_ids)):
+            raise ValueError("the placed images do not match the prompt's image placeholder tokens")
+        return list(prompt_token_ids), tuple(images)  # type: ignore[arg-type]
     found = sum(1 for t in prompt_token_ids if t == token)
     if found != len(images):
         raise ValueError(

@@ -195,6 +195,24 @@ def test_greedy_equals_transformers_batched_with_text(llava: Path, expected: lis
     assert stats.encoder_cache_hits >= 1
 
 
+def test_engine_loop_prepares_images_off_its_thread_and_n_samples_fork(llava: Path, expected: list[list[int]]) -> None:
+    from engine.engine_loop import EngineLoop
+    from engine.llm import conversation_images
+
+    engine = LLMEngine(str(llava), dtype="float32", num_kv_blocks=64, block_size=4)
+    conversation = CONVERSATIONS[1]
+    ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conversation), add_special_tokens=False)
+    images = tuple(conversation_images(conversation))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, n=2)
+    with EngineLoop(engine) as loop:
+        output = loop.submit(ids, params, images=images).result(60)
+        refused = loop.submit(ids, params)  # its image token has no image
+        with pytest.raises(ValueError, match="image token"):
+            refused.result(60)
+    assert [c.token_ids for c in output.outputs] == [expected[1], expected[1]]
+    assert engine.stats().images_encoded == 2
+
+
 @pytest.mark.parametrize("rename", [hub_name, transformers4_name], ids=["hub", "transformers4"])
 def test_other_checkpoint_layouts_load(llava: Path, tmp_path: Path, expected: list[list[int]], rename) -> None:
     folder = relayout(llava, tmp_path / "relaid", rename)
