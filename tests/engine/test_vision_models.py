@@ -126,19 +126,31 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def expected(llava: Path) -> list[list[int]]:
-    """transformers' greedy tokens for each conversation, with the folder's own processor."""
+def hf_runs(llava: Path) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens for each conversation, with the folder's own processor, and each token's log-prob
+    under the raw logits."""
     import transformers
 
     processor = transformers.AutoProcessor.from_pretrained(llava)
     model = transformers.LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
-    tokens = []
+    runs = []
     for conversation in CONVERSATIONS:
         text = processor.apply_chat_template(conversation, add_generation_prompt=True)
         images = [part["image"] for part in conversation[0]["content"] if part["type"] == "image"] or None
         inputs = processor(images=images, text=text, return_tensors="pt")
-        output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
-        tokens.append(output[0, inputs["input_ids"].shape[1] :].tolist())
+        output = model.generate(
+            **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS, output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens = output.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+        logprobs = [logits[0].log_softmax(-1)[token].item() for logits, token in zip(output.logits, tokens)]
+        runs.append((tokens, logprobs))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def expected(hf_runs: list[tuple[list[int], list[float]]]) -> list[list[int]]:
+    tokens = [run[0] for run in hf_runs]
     assert tokens[0] != tokens[3] and len({tuple(t) for t in tokens}) == 4, "the tiny model should tell them apart"
     return tokens
 
@@ -187,9 +199,16 @@ def test_preprocessing_and_prompt_equal_the_processor(llava: Path) -> None:
     assert [image.length for image in placed] == [16, 16]
 
 
-def test_greedy_equals_transformers_batched_with_text(llava: Path, expected: list[list[int]]) -> None:
+def test_greedy_equals_transformers_batched_with_text(
+    llava: Path, expected: list[list[int]], hf_runs: list[tuple[list[int], list[float]]]
+) -> None:
     llm = LLM(str(llava), dtype="float32", num_kv_blocks=64, block_size=4)
-    assert tokens(llm.chat(CONVERSATIONS, greedy(), use_tqdm=False)) == expected
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=0)
+    outputs = llm.chat(CONVERSATIONS, params, use_tqdm=False)
+    assert tokens(outputs) == expected
+    for output, (hf_tokens, hf_logprobs) in zip(outputs, hf_runs):
+        ours = [step[token] for step, token in zip(output.outputs[0].logprobs, hf_tokens)]
+        assert ours == pytest.approx(hf_logprobs, abs=1e-4)
     stats = llm.engine.stats()
     assert stats.images_encoded == 3  # RED, NOISE, WIDE: the second RED prompt found it in the encoder cache
     assert stats.encoder_cache_hits >= 1
