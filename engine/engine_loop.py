@@ -158,7 +158,7 @@ class EngineLoop:
         handle."""
         handle = RequestHandle(request_id or f"loop-{next(self._ids)}", stream)
         placed: tuple[PlacedImage, ...] = ()
-        if images or self.engine.accepts_images:
+        if images:  # a text prompt's check stays on the loop (cheap: no pixels)
             try:
                 prompt_token_ids, placed = self.engine.place_images(list(prompt_token_ids), images)
             except ValueError as error:
