@@ -307,6 +307,9 @@ def test_image_requests_are_checked(llava: Path, tiny_dummy_model: Path) -> None
     with pytest.raises(ValueError, match="detail"):
         engine.add_request("f", [4, image_token, 7], greedy(), images=[ImageInput(RED, detail="ultra")])
     assert not engine.has_unfinished_requests()
+    short = LLMEngine(str(llava), dtype="float32", num_kv_blocks=16, max_model_len=18)
+    with pytest.raises(ValueError, match="the prompt has 18 tokens"):  # 2 text tokens + 16 placeholders
+        short.add_request("g", [4, image_token, 7], greedy(), images=[ImageInput(RED)])
 
 
 def test_the_config_names_the_image_token(llava: Path) -> None:
