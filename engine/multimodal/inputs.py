@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # plain data, importable without torch or PIL (the request side builds ImageInputs)
+    import torch
     from PIL import Image
 
 DETAILS = ("auto", "low", "high")  # OpenAI's `image_url.detail` values
@@ -31,7 +30,7 @@ class PlacedImage:
     offset: int  # prompt position of its first placeholder token
     length: int  # placeholder tokens = embedding rows the encoder gives it
     content_hash: bytes
-    pixel_values: torch.Tensor  # the model's preprocessed input, e.g. [3, H, W] float32
+    pixel_values: "torch.Tensor"  # the model's preprocessed input, e.g. [3, H, W] float32
 
     @property
     def stop(self) -> int:
