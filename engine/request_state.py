@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.beam_search import BeamSearch
-from engine.multimodal.inputs import PlacedImage
 from engine.detokenizer import IncrementalDetokenizer
+from engine.multimodal.inputs import PlacedImage
 from engine.outputs import FinishReason
 from engine.prompt_logprobs import PromptLogprobsRecord
 from engine.sampler import SamplingRow
