@@ -110,10 +110,14 @@ def build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShard
 def _build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShard:
     config, device = spec.config, spec.device_of(group.rank)
     model = _build_model(spec, device, group)
+    vision = _build_vision(spec, device)
     shape = rank_model_config(spec.model_config, group.size)
     device_memory = None
     if device.type == "cuda" and config.num_kv_blocks is None:
-        device_memory = profile_device_memory(device, largest_step(spec, model, shape, device))
+        step = largest_step(spec, model, shape, device)
+        if vision is not None:  # the encoder's largest batch runs in a step too (before the decoder, not with it)
+            step = _then(vision.run_largest_batch, step)
+        device_memory = profile_device_memory(device, step)
     num_blocks = group.min_over_ranks("kv-blocks", num_kv_blocks(shape, config, spec.dtype, device_memory))
     num_host = group.min_over_ranks("host-blocks", num_host_blocks(shape, config, spec.dtype))
     kv_caches = allocate_kv_cache(shape, num_blocks, config.block_size, spec.dtype, device)
@@ -124,7 +128,6 @@ def _build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShar
         _pool_context_limit(spec.model_config, config, num_blocks),
     )
     max_blocks_per_seq = -(-max_model_len // config.block_size)
-    vision = _build_vision(spec, device)
     runner = ModelRunner(model, kv_caches, host_caches, config.block_size, device, spec.kernel_backend, vision)
     if spec.kernel_backend == "triton":
         runner.warm_up(config.max_num_batched_tokens, max_blocks_per_seq)
@@ -178,6 +181,14 @@ def windowed_blocks_per_sequence(model: ModelConfig, config: EngineConfig) -> in
     return -(-(model.uniform_window - 1 + config.max_num_batched_tokens) // config.block_size) + 1
 
 
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
 def _build_vision(spec: ShardSpec, device: torch.device) -> EncoderStep | None:
     """A vision-language model's encoder and projector, with its output cache; None for a text-only model."""
     kind = spec.vision_kind
@@ -191,7 +202,7 @@ def _build_vision(spec: ShardSpec, device: torch.device) -> EncoderStep | None:
         assert spec.source.path is not None
         encoder.load_weights(split_checkpoint(kind, iter_checkpoint(spec.source.path, spec.source.hf_config), "vision"))
     cache = EncoderCache(spec.config.encoder_cache_tokens)
-    return EncoderStep(encoder.eval(), cache, spec.config.max_images_per_encoder_batch)
+    return EncoderStep(encoder.eval(), cache, spec.config.max_images_per_encoder_batch, kind.pixel_shape)
 
 
 def _build_model(spec: ShardSpec, device: torch.device, group: TensorParallelGroup) -> LlamaForCausalLM:

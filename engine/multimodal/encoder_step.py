@@ -15,10 +15,13 @@ from engine.scheduler import ScheduledSequence
 
 
 class EncoderStep:
-    def __init__(self, encoder: nn.Module, cache: EncoderCache, max_images_per_batch: int) -> None:
+    def __init__(
+        self, encoder: nn.Module, cache: EncoderCache, max_images_per_batch: int, pixel_shape: tuple[int, ...]
+    ) -> None:
         self.encoder = encoder
         self.cache = cache
         self.max_images_per_batch = max_images_per_batch  # bounds the encoder's activations per forward pass
+        self.pixel_shape = pixel_shape  # the largest preprocessed image, for the start-up memory profile
         self.images_encoded = 0  # encoder runs, counted per image
 
     def embed(
@@ -66,6 +69,12 @@ class EncoderStep:
                     rows[image.content_hash] = output
                     self.cache.put(image.content_hash, output)
         return rows
+
+    @torch.inference_mode()
+    def run_largest_batch(self) -> None:
+        """A throwaway forward pass over the largest batch the step may encode: for the start-up memory profile."""
+        device, dtype = self._device_dtype()
+        self.encoder(torch.zeros(self.max_images_per_batch, *self.pixel_shape, device=device, dtype=dtype))
 
     def _device_dtype(self) -> tuple[torch.device, torch.dtype]:
         parameter = next(self.encoder.parameters())

@@ -32,6 +32,7 @@ class VisionEncoder(Protocol):
 class VisionLanguageKind(Protocol):
     name: str  # the architecture, e.g. "LlavaForConditionalGeneration"
     image_token_id: int  # the token the chat template writes per image, expanded into the placeholders
+    pixel_shape: tuple[int, ...]  # the largest preprocessed image (C, H, W): sizes the start-up memory profile
 
     def text_config(self) -> dict[str, Any]:
         """The text decoder's config.json, as ModelConfig.from_hf reads it."""

@@ -90,6 +90,7 @@ class LlavaKind:
         self.feature_layers = tuple(index % depth for index in (layer if isinstance(layer, list) else [layer]))
         self.processing = ClipImageProcessing.from_folder(folder)
         size = self.vision.image_size
+        self.pixel_shape = (self.vision.num_channels, size, size)
         if self.processing.output_size(size, size) != (size, size):
             raise ValueError(f"{folder}: the image processor's output size differs from the vision tower's {size} px")
         processor = read_processor_settings(folder)

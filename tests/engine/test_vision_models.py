@@ -197,6 +197,8 @@ def test_preprocessing_and_prompt_equal_the_processor(llava: Path) -> None:
     )
     assert expanded == processor(images=[NOISE, WIDE], text=text, return_tensors="pt")["input_ids"][0].tolist()
     assert [image.length for image in placed] == [16, 16]
+    engine.runner.vision.run_largest_batch()  # what the CUDA memory profile runs beside the largest decoder step
+    assert engine.runner.vision.images_encoded == 0  # and it counts as no image
 
 
 def test_greedy_equals_transformers_batched_with_text(
