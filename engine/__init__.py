@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from engine.engine_loop import EngineLoop, RequestHandle
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
+    from engine.multimodal.inputs import ImageInput
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ _MODULE_OF = {
     "RequestHandle": "engine.engine_loop",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
+    "ImageInput": "engine.multimodal.inputs",
     "CompletionOutput": "engine.outputs",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",

@@ -33,8 +33,10 @@ With full-attention layers anywhere (Gemma's global layers) nothing can be relea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+from engine.multimodal.inputs import image_block_key
 from engine.prefix_cache import LONG_ROPE_ROOT, BlockHash, PrefixCache, adapter_root, extend_block_hashes
 from engine.sequence import Sequence
 
@@ -47,6 +49,12 @@ def _hash_root(seq: Sequence) -> BlockHash | None:
     per LoRA adapter (an adapter's K/V differ from the base model's and from every other adapter's)."""
     root = LONG_ROPE_ROOT if seq.long_rope else None
     return root if seq.params.adapter is None else adapter_root(root, seq.params.adapter)
+
+
+def _hash_extra_key(seq: Sequence) -> Callable[[int, int], bytes] | None:
+    """What a block's name adds to its tokens: the images whose placeholders it holds (None without images)."""
+    images = seq.images
+    return (lambda start, stop: image_block_key(images, start, stop)) if images else None
 
 
 class BlockManager:
@@ -126,7 +134,9 @@ class BlockManager:
         token is always left to compute, since its logits are needed."""
         if self.prefix_cache is None:
             return []
-        extend_block_hashes(seq.block_hashes, seq.token_ids_slice, seq.num_tokens, self.block_size, _hash_root(seq))
+        extend_block_hashes(
+            seq.block_hashes, seq.token_ids_slice, seq.num_tokens, self.block_size, _hash_root(seq), _hash_extra_key(seq)
+        )
         usable = (seq.num_tokens - 1) // self.block_size
         return self.prefix_cache.lookup(seq.block_hashes[:usable])
 
@@ -204,7 +214,8 @@ class BlockManager:
         if num_full <= registered:
             return
         extend_block_hashes(
-            seq.block_hashes, seq.token_ids_slice, num_full * self.block_size, self.block_size, _hash_root(seq)
+            seq.block_hashes, seq.token_ids_slice, num_full * self.block_size, self.block_size, _hash_root(seq),
+            _hash_extra_key(seq),
         )
         table = self._tables[seq.seq_id]
         for index in range(registered, num_full):

@@ -520,6 +520,11 @@ class EngineConfig:
     # weights (a GGUF file's blocks as they are). Asking it of an already quantized checkpoint is an error.
     quantization: WeightOnlyMethod | None = None
     quantization_group_size: int = 64  # input features per int8 / int4 scale (divides SmolLM2's 576 and 1536)
+    # Vision-language models: encoder outputs kept by image content, in embedding rows (one per placeholder token;
+    # LLaVA-1.5 takes 576 per image), least recently used evicted; 0 keeps none (each chunk reaching an image
+    # encodes it again). And images per vision-encoder forward pass, bounding its activations.
+    encoder_cache_tokens: int = 16384
+    max_images_per_encoder_batch: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -560,6 +565,8 @@ class EngineConfig:
             raise ValueError("lookahead_admission_steps must be >= 0")
         if self.grammar_compile_threads < 1 or self.grammar_cache_size < 1:
             raise ValueError("grammar_compile_threads and grammar_cache_size must be >= 1")
+        if self.encoder_cache_tokens < 0 or self.max_images_per_encoder_batch < 1:
+            raise ValueError("encoder_cache_tokens must be >= 0 and max_images_per_encoder_batch >= 1")
         if self.quantization is not None:
             weight_only_quantization(self.quantization, self.quantization_group_size)  # raises naming what is supported
         if not 0.0 <= self.admission_watermark < 1.0:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from engine.admission import EngineFailed, StepFailed
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
+from engine.multimodal.inputs import ImageInput, PlacedImage
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -76,6 +77,7 @@ class _Submit:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    images: tuple[PlacedImage, ...] = ()  # placed in prompt_token_ids on the submitting thread
 
 
 @dataclass(frozen=True)
@@ -149,14 +151,25 @@ class EngineLoop:
         request_id: str | None = None,
         priority: int = 0,
         stream: bool = False,
+        images: tuple[ImageInput, ...] = (),
     ) -> RequestHandle:
+        """Queue a request; `images` as LLMEngine.add_request takes them, preprocessed here on the caller's thread
+        (never on the loop's, which would stall every other request's step). A request that cannot run fails its own
+        handle."""
         handle = RequestHandle(request_id or f"loop-{next(self._ids)}", stream)
+        placed: tuple[PlacedImage, ...] = ()
+        if images:  # a text prompt's check stays on the loop (cheap: no pixels)
+            try:
+                prompt_token_ids, placed = self.engine.place_images(list(prompt_token_ids), images)
+            except ValueError as error:
+                handle._fail(error)
+                return handle
         with self._wakeup:
             if self.failure is not None:
                 raise self.failure
             if self._stopping:
                 raise RuntimeError("the engine loop is stopped")
-            self._commands.append(_Submit(handle, list(prompt_token_ids), params, priority))
+            self._commands.append(_Submit(handle, list(prompt_token_ids), params, priority, placed))
             self._wakeup.notify()
         return handle
 
@@ -221,7 +234,8 @@ class EngineLoop:
         handle = command.handle
         try:
             self.engine.add_request(
-                handle.request_id, command.prompt_token_ids, command.params, command.priority, stream=handle._stream is not None
+                handle.request_id, command.prompt_token_ids, command.params, command.priority,
+                stream=handle._stream is not None, images=command.images,
             )
         except Exception as error:  # a bad request (ValueError, or TypeError for a malformed prompt)
             handle._fail(error)  # fails its own handle only: letting it escape would kill the loop thread

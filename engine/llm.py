@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from engine.llm_engine import LLMEngine
 from engine.model_registry import DEFAULT_MODEL
+from engine.multimodal.inputs import ImageInput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -54,9 +56,11 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         priority: Sequence[int] | None = None,
+        images: Sequence[Sequence[ImageInput]] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. `use_tqdm`: a progress bar on stderr
-        (requests done, output tokens/s, ETA), or a tqdm subclass (or factory) to show it some other way."""
+        (requests done, output tokens/s, ETA), or a tqdm subclass (or factory) to show it some other way. `images`:
+        per prompt, its images, one image token each in the prompt (LLMEngine.add_request)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -66,15 +70,18 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        images_list = list(images) if images is not None else [()] * len(prompts)
+        if len(images_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images_list)} image lists")
 
         ids: list[str] = []
         texts: dict[str, str | None] = {}
         try:
-            for prompt, p, prio in zip(prompts, params_list, priorities):
+            for prompt, p, prio, prompt_images in zip(prompts, params_list, priorities, images_list):
                 request_id = str(self._next_id)
                 self._next_id += 1
                 token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                self.engine.add_request(request_id, token_ids, p, priority=prio)
+                self.engine.add_request(request_id, token_ids, p, priority=prio, images=prompt_images)
                 ids.append(request_id)
                 texts[request_id] = prompt if isinstance(prompt, str) else None
         except BaseException:
@@ -87,18 +94,21 @@ class LLM:
 
     def chat(
         self,
-        conversations: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate. A message's content may be a list
+        of parts in transformers' form: `{"type": "text", "text": ...}` and, for a vision-language model,
+        `{"type": "image", "image": <RGB PIL image>, "detail": "auto"}` (detail optional)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         token_lists = [
             self.tokenizer.encode(self.tokenizer.apply_chat_template(list(c)), add_special_tokens=False)
             for c in conversations
         ]
-        return self.generate(token_lists, params, use_tqdm=use_tqdm)
+        images = [conversation_images(c) for c in conversations]
+        return self.generate(token_lists, params, use_tqdm=use_tqdm, images=images)
 
     def _run(
         self, ids: list[str], texts: dict[str, str | None], use_tqdm: bool | Callable[..., tqdm]
@@ -119,3 +129,16 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[i] for i in ids]
+
+
+def conversation_images(messages: Sequence[dict[str, Any]]) -> list[ImageInput]:
+    """The image parts of a conversation, in the order the chat template meets them (message by message)."""
+    images = []
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") == "image":
+                if "image" not in part:
+                    raise ValueError('an image part needs its decoded image: {"type": "image", "image": <PIL image>}')
+                images.append(ImageInput(part["image"], part.get("detail", "auto")))
+    return images

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import fields
 from pathlib import Path
@@ -28,6 +29,10 @@ from engine.lora import load_adapter
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.metrics import EngineStats, StepCounters
 from engine.model_runner import ModelRunner, StepResult
+from engine.multimodal.inputs import ImageInput, PlacedImage
+from engine.multimodal.kind import VisionLanguageKind
+from engine.multimodal.registry import vision_kind_for
+from engine.multimodal.prompt import expand_image_prompt
 from engine.model_shard import ShardSpec, build_model_shard, rank_model_config, windowed_blocks_per_sequence
 from engine.outputs import RequestOutput
 from engine.request_state import StepBatch
@@ -59,7 +64,12 @@ class LLMEngine:
 
         source = resolve_model(model, load_format)
         self.model_name = source.name
-        self.model_config = ModelConfig.from_hf(source.hf_config)
+        # A vision-language checkpoint: its text decoder is an ordinary decoder, its encoder runs in the step.
+        self.vision_kind: VisionLanguageKind | None = vision_kind_for(source.hf_config, source.path)
+        if self.vision_kind is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError("vision-language models do not run with tensor parallelism yet (tensor_parallel_size > 1)")
+        text_config = source.hf_config if self.vision_kind is None else self.vision_kind.text_config()
+        self.model_config = ModelConfig.from_hf(text_config)
         has_tokenizer = source.path is not None and (source.path / "tokenizer.json").exists()
         self.tokenizer: Tokenizer | None = Tokenizer.from_folder(source.path) if has_tokenizer else None
         eos = self.model_config.eos_token_ids
@@ -148,9 +158,15 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         stream: bool = False,
+        images: Sequence[ImageInput | PlacedImage] = (),
     ) -> None:
+        """Queue a request. `prompt_token_ids` as the chat template renders them: with `images`, one image token per
+        image (in order), which the engine expands into the image's placeholder tokens; those count in the context,
+        the admission limits and the KV budget like any prompt token. Or a prompt and images `place_images` already
+        expanded and preprocessed (off the engine's thread)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids, placed = self.place_images(prompt_token_ids, images)
         self._validate_prompt(prompt_token_ids)
         if params.adapter is not None and params.adapter not in self.adapter_names:
             raise ValueError(f"unknown LoRA adapter {params.adapter!r}; registered: {self.adapter_names}")
@@ -170,7 +186,7 @@ class LLMEngine:
             raise ValueError("structured output needs a tokenizer; this model has none")
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         grammar = self._grammar_pool().compiled(params.structured_output) if params.structured_output is not None else None
-        self.requests.add(request_id, prompt_token_ids, params, stream, priority, base_seed, grammar)
+        self.requests.add(request_id, prompt_token_ids, params, stream, priority, base_seed, grammar, placed)
 
     def _grammar_pool(self) -> GrammarCompilerPool:
         if self._grammars is None:
@@ -211,6 +227,24 @@ class LLMEngine:
             return None
         self.counters.requests_finished += 1
         return self.requests.abort(request_id)
+
+    def place_images(
+        self, prompt_token_ids: list[int], images: Sequence[ImageInput | PlacedImage]
+    ) -> tuple[list[int], tuple[PlacedImage, ...]]:
+        """The prompt with each image token expanded into its placeholders, and the images preprocessed and hashed
+        (ValueError for a mismatch, a non-RGB image, a refused detail, or images for a text-only model). Reads only
+        the model's processor settings: safe to call from any thread, so that the pixels are not prepared on the
+        engine's."""
+        if self.vision_kind is None:
+            if images:
+                raise ValueError(f"model {self.model_name!r} does not take images (model_not_multimodal)")
+            return prompt_token_ids, ()
+        return expand_image_prompt(self.vision_kind, prompt_token_ids, images)
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether requests may carry images (a vision-language model)."""
+        return self.vision_kind is not None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -294,4 +328,11 @@ class LLMEngine:
             swap_seconds=self.runner.swap_seconds,
             prefix_cache_queried_tokens=counters.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=counters.prefix_cache_hit_tokens,
+            **self._vision_stats(),
         )
+
+    def _vision_stats(self) -> dict[str, int]:
+        vision = self.runner.vision if isinstance(self.runner, ModelRunner) else None
+        if vision is None:
+            return {}
+        return {"images_encoded": vision.images_encoded, "encoder_cache_hits": vision.cache.hits}

@@ -89,6 +89,8 @@ class EngineStats:
     swap_seconds: float  # cumulative wall time of those moves
     prefix_cache_queried_tokens: int  # cumulative prompt tokens looked up at admission
     prefix_cache_hit_tokens: int  # of those, found in the cache and not computed
+    images_encoded: int = 0  # cumulative vision-encoder runs, per image (vision-language models)
+    encoder_cache_hits: int = 0  # cumulative images a step found in the encoder-output cache instead
 
     @property
     def kv_blocks_free(self) -> int:

@@ -17,6 +17,7 @@ from engine.dtypes import KernelBackend
 from engine.kv_cache import KVCaches
 from engine.lora import LoRAAdapter, LoRASlotWeights
 from engine.models.llama import LlamaForCausalLM
+from engine.multimodal.encoder_step import EncoderStep
 from engine.prompt_logprobs import PromptLogprobs, score_prompts
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
@@ -43,8 +44,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         kernel_backend: KernelBackend,
+        vision: EncoderStep | None = None,
     ) -> None:
         self.model = model
+        self.vision = vision  # a vision-language model's encoder pass; None for a text-only model
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches
         self.block_size = block_size
@@ -96,10 +99,16 @@ class ModelRunner:
             return StepResult(None)
         input_ids, positions, metadata, logits_indices = self._prepare(output)
         with_adapters = self._begin_adapters(output)
+        embeds = None
+        if self.vision is not None and any(item.images for item in output.scheduled):
+            embeds = self.vision.embed(self.model.embed, input_ids, output.scheduled, metadata.query_start_loc)
         try:
-            # A captured graph holds no adapter terms: a step with adapter rows runs eagerly.
-            if self.decode_graphs is not None and not with_adapters and self.decode_graphs.can_run(metadata):
+            # A captured graph holds no adapter terms nor image rows: such a step runs eagerly.
+            eager = with_adapters or embeds is not None
+            if self.decode_graphs is not None and not eager and self.decode_graphs.can_run(metadata):
                 hidden = self.decode_graphs.run(input_ids, positions, metadata)
+            elif embeds is not None:
+                hidden = self.model(input_ids, positions, self.kv_caches, metadata, inputs_embeds=embeds)
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         finally:

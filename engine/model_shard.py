@@ -26,6 +26,10 @@ from engine.model_registry import ModelSource
 from engine.model_runner import ModelRunner
 from engine.models import MODEL_CLASSES
 from engine.models.llama import LlamaForCausalLM
+from engine.multimodal.encoder_cache import EncoderCache
+from engine.multimodal.encoder_step import EncoderStep
+from engine.multimodal.kind import VisionLanguageKind, split_checkpoint
+from engine.multimodal.registry import vision_kind_for
 from engine.quantization import building_quantized
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
@@ -44,6 +48,11 @@ class ShardSpec:
     device: torch.device  # rank 0's; rank r computes on the r-th device after it (CUDA) or on the CPU
     dtype: torch.dtype
     kernel_backend: KernelBackend
+
+    @property
+    def vision_kind(self) -> VisionLanguageKind | None:
+        """The vision-language family of the checkpoint; None for a text-only one."""
+        return vision_kind_for(self.source.hf_config, self.source.path)
 
     def device_of(self, rank: int) -> torch.device:
         if self.device.type != "cuda":
@@ -101,10 +110,14 @@ def build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShard
 def _build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShard:
     config, device = spec.config, spec.device_of(group.rank)
     model = _build_model(spec, device, group)
+    vision = _build_vision(spec, device)
     shape = rank_model_config(spec.model_config, group.size)
     device_memory = None
     if device.type == "cuda" and config.num_kv_blocks is None:
-        device_memory = profile_device_memory(device, largest_step(spec, model, shape, device))
+        step = largest_step(spec, model, shape, device)
+        if vision is not None:  # the encoder's largest batch runs in a step too (before the decoder, not with it)
+            step = _then(vision.run_largest_batch, step)
+        device_memory = profile_device_memory(device, step)
     num_blocks = group.min_over_ranks("kv-blocks", num_kv_blocks(shape, config, spec.dtype, device_memory))
     num_host = group.min_over_ranks("host-blocks", num_host_blocks(shape, config, spec.dtype))
     kv_caches = allocate_kv_cache(shape, num_blocks, config.block_size, spec.dtype, device)
@@ -115,7 +128,7 @@ def _build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShar
         _pool_context_limit(spec.model_config, config, num_blocks),
     )
     max_blocks_per_seq = -(-max_model_len // config.block_size)
-    runner = ModelRunner(model, kv_caches, host_caches, config.block_size, device, spec.kernel_backend)
+    runner = ModelRunner(model, kv_caches, host_caches, config.block_size, device, spec.kernel_backend, vision)
     if spec.kernel_backend == "triton":
         runner.warm_up(config.max_num_batched_tokens, max_blocks_per_seq)
     graph_batch = min(config.cuda_graph_max_batch_size, config.max_num_seqs)
@@ -168,6 +181,30 @@ def windowed_blocks_per_sequence(model: ModelConfig, config: EngineConfig) -> in
     return -(-(model.uniform_window - 1 + config.max_num_batched_tokens) // config.block_size) + 1
 
 
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
+def _build_vision(spec: ShardSpec, device: torch.device) -> EncoderStep | None:
+    """A vision-language model's encoder and projector, with its output cache; None for a text-only model."""
+    kind = spec.vision_kind
+    if kind is None:
+        return None
+    with building_on(device, spec.dtype):
+        encoder = kind.build_encoder()
+    if spec.source.load_format == "dummy":
+        init_dummy_weights(encoder, seed=spec.config.seed)
+    else:
+        assert spec.source.path is not None
+        encoder.load_weights(split_checkpoint(kind, iter_checkpoint(spec.source.path, spec.source.hf_config), "vision"))
+    cache = EncoderCache(spec.config.encoder_cache_tokens)
+    return EncoderStep(encoder.eval(), cache, spec.config.max_images_per_encoder_batch, kind.pixel_shape)
+
+
 def _build_model(spec: ShardSpec, device: torch.device, group: TensorParallelGroup) -> LlamaForCausalLM:
     config = spec.config
     use_cpu_kernels = (
@@ -196,7 +233,9 @@ def _build_model(spec: ShardSpec, device: torch.device, group: TensorParallelGro
         init_dummy_weights(model, seed=config.seed)
     else:
         assert spec.source.path is not None, "a safetensors source always has a folder"
-        model.load_weights(iter_checkpoint(spec.source.path, spec.source.hf_config))
+        checkpoint = iter_checkpoint(spec.source.path, spec.source.hf_config)
+        kind = spec.vision_kind
+        model.load_weights(checkpoint if kind is None else split_checkpoint(kind, checkpoint, "text"))
     # The rotary tables stay float32 whatever the weights' dtype: positions need the precision.
     for rotary in (model.model.rotary, model.model.local_rotary):
         if rotary is not None:

@@ -4,7 +4,9 @@ later sequence that starts with the same tokens reuses them instead of recomputi
 A block's hash chains its parent's hash with its own tokens, so equal hashes mean equal prefixes,
 not just equal blocks. A block's K/V also depend on the rotary table they were computed with: a
 sequence on LongRoPE's long factors starts its chain from LONG_ROPE_ROOT, so its blocks and the short
-factors' never mix; and on the LoRA adapter they were computed with (`adapter_root`), so two adapters never share. Cached blocks whose last owner let go stay resident, in least-recently-used order,
+factors' never mix; and on the LoRA adapter they were computed with (`adapter_root`), so two adapters never share;
+and on the images whose placeholder tokens a block holds (their content hash enters its hash: `extra_key`), so the
+same tokens over a different image never share. Cached blocks whose last owner let go stay resident, in least-recently-used order,
 and are evicted only when the free pool runs dry.
 """
 
@@ -19,11 +21,14 @@ BlockHash = bytes
 LONG_ROPE_ROOT: BlockHash = b"long-rope"  # the parent of a long-factor sequence's first block
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: bytes = b"") -> BlockHash:
     """A 128-bit digest: collisions, which would hand one prompt another's KV, are out of reach
-    (Python's 64-bit tuple hash is not collision-resistant)."""
+    (Python's 64-bit tuple hash is not collision-resistant). `extra_key`: what else the block's K/V depend on
+    (the images whose placeholder tokens it holds)."""
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(array("q", token_ids).tobytes())
+    if extra_key:
+        digest.update(b"extra:" + extra_key)
     return digest.digest()
 
 
@@ -40,12 +45,16 @@ def extend_block_hashes(
     num_tokens: int,
     block_size: int,
     root: BlockHash | None = None,
+    extra_key: Callable[[int, int], bytes] | None = None,
 ) -> None:
     """Append the hashes of the full blocks among the first `num_tokens` tokens not hashed yet;
-    `token_slice(start, stop)` gives a sequence's tokens, `root` is the first block's parent."""
+    `token_slice(start, stop)` gives a sequence's tokens, `root` is the first block's parent, `extra_key(start, stop)`
+    what else the block over those positions depends on (see hash_block)."""
     for index in range(len(hashes), num_tokens // block_size):
         parent = hashes[-1] if hashes else root
-        hashes.append(hash_block(parent, token_slice(index * block_size, (index + 1) * block_size)))
+        start, stop = index * block_size, (index + 1) * block_size
+        extra = extra_key(start, stop) if extra_key is not None else b""
+        hashes.append(hash_block(parent, token_slice(start, stop), extra))
 
 
 class PrefixCache:

@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.beam_search import BeamSearch
 from engine.detokenizer import IncrementalDetokenizer
+from engine.multimodal.inputs import PlacedImage
 from engine.outputs import FinishReason
 from engine.prompt_logprobs import PromptLogprobsRecord
 from engine.sampler import SamplingRow
@@ -50,6 +51,7 @@ class Request:
     error: str | None = None  # why the request could not run (its constraint did not compile)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    images: tuple[PlacedImage, ...] = ()  # its prompt images, placed among prompt_token_ids (every sample's)
 
     @property
     def finished(self) -> bool:

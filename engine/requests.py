@@ -30,6 +30,7 @@ from engine.beam_search import Beam, BeamSearch, BeamSearchState, NextBeam
 from engine.detokenizer import IncrementalDetokenizer, decode_complete
 from engine.metrics import StepCounters
 from engine.model_runner import StepResult
+from engine.multimodal.inputs import PlacedImage
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.prompt_logprobs import PromptLogprobsRecord
 from engine.request_state import Request, Sample, StepBatch, TopLogprobs
@@ -79,14 +80,14 @@ class Requests:
 
     def add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: bool, priority: int,
-        base_seed: int, grammar: Future[Any] | None,
+        base_seed: int, grammar: Future[Any] | None, images: tuple[PlacedImage, ...] = (),
     ) -> None:
         """Queue an admitted request. One sequence computes the prompt; the other samples fork from it when its
         first token is sampled, sharing the prompt's blocks. A constrained one waits out of the scheduler until
         its `grammar` is compiled (`admit_compiled`)."""
         request = Request(
             request_id, list(prompt_token_ids), params, stream, priority, self._arrivals, base_seed, grammar=grammar,
-            prompt_logprobs=PromptLogprobsRecord() if params.prompt_logprobs is not None else None,
+            prompt_logprobs=PromptLogprobsRecord() if params.prompt_logprobs is not None else None, images=images,
         )
         self._arrivals += 1
         if params.use_beam_search:
@@ -337,6 +338,7 @@ class Requests:
             priority=request.priority,
             arrival_order=request.arrival_order,
             output_token_ids=output_token_ids,
+            images=request.images,
         )
         self._next_seq_id += 1
         needs_text_early = bool(params.stop) or request.stream

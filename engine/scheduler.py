@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from engine.adapter_slots import AdapterSlots
 from engine.block_manager import BlockManager, BlockPairs
 from engine.config import EngineConfig
+from engine.multimodal.inputs import PlacedImage, images_within
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -62,6 +63,7 @@ class ScheduledSequence:
     prompt_logprob_targets: tuple[int, ...] = ()
     prompt_top_logprobs: int = 0
     adapter_slot: int = -1  # the device slot of its LoRA adapter (SamplingParams.adapter); -1: the base model
+    images: tuple[PlacedImage, ...] = ()  # the prompt images whose placeholders this chunk computes
 
     @property
     def num_new_tokens(self) -> int:
@@ -430,6 +432,7 @@ class Scheduler:
             prompt_logprob_targets=targets,
             prompt_top_logprobs=(seq.params.prompt_logprobs or 0) if targets else 0,
             adapter_slot=adapter_slot,
+            images=images_within(seq.images, start, stop) if seq.images else (),
         )
 
     def update(self, output: SchedulerOutput, seqs: list[Sequence], forks: list[tuple[Sequence, Sequence]],

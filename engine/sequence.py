@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.multimodal.inputs import PlacedImage
 from engine.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class Sequence:
     # LongRoPE (Phi-3): its K/V are rotated with the long factors (it has more tokens than the model's threshold),
     # set by the scheduler whenever its computation starts; False for every other model
     long_rope: bool = False
+    images: tuple[PlacedImage, ...] = ()  # the request's prompt images, placed among its prompt tokens
 
     @property
     def num_tokens(self) -> int:

@@ -73,7 +73,9 @@ class Tokenizer:
     ) -> str:
         """The template rendered as transformers renders it: `tools` (OpenAI tool dicts) is passed even when
         None, so templates testing `tools is not none` behave as under transformers; `template_kwargs` are further
-        variables the template reads (Qwen3's `enable_thinking`), as transformers passes its extra keyword arguments."""
+        variables the template reads (Qwen3's `enable_thinking`), as transformers passes its extra keyword arguments.
+        Image parts reach the template as given (`{"type": "image", ...}`), as transformers' processors pass them:
+        the template writes the model's image token for each."""
         if self._chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; send a plain text prompt instead")
         return self._chat_template.render(
@@ -111,6 +113,8 @@ def _chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None
         template = next((entry["template"] for entry in template if entry.get("name") == "default"), None)
     if template is None and (folder / "chat_template.jinja").is_file():  # how transformers >= 4.50 saves it
         template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is None and (folder / "chat_template.json").is_file():  # a processor's, as older transformers saves it
+        template = json.loads((folder / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
     return template
 
 

@@ -348,8 +348,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] each token's position (its rotary row: long_rope_rows on LongRoPE's long factors)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden] instead of embedding input_ids (image rows spliced in)
     ) -> torch.Tensor:  # [T, hidden]
-        hidden = self.embed(input_ids)
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.model.rotary(positions, hidden.dtype)
         local_rope = rope if self.model.local_rotary is None else self.model.local_rotary(positions, hidden.dtype)
         residual = None
