@@ -7,6 +7,9 @@ from typing import Any, Literal
 
 
 PreemptionMode = Literal["recompute", "swap"]
+# The KV cache's storage: "auto" the model's dtype; "int8" (CPU) int8 rows with a float32 scale per (token, kv head),
+# about half of bf16's bytes; "fp8_e4m3" (CUDA) is named but not implemented yet (refused at engine start)
+KVCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
 SchedulingPolicy = Literal["continuous", "static"]
 PreemptionVictim = Literal["recency", "least_work"]
 KernelBackendChoice = Literal["auto", "torch", "triton"]
@@ -342,6 +345,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # tokens (prefill chunks + decodes) computed in one step
     max_model_len: int | None = None  # tokens per sequence; None = the model's max_position_embeddings
     kv_cache_memory: int = 4 * 1024**3  # bytes of KV cache on CPU
+    # the KV cache's storage dtype (see KVCacheDtype): "auto" = the model's; "int8" on CPU holds ~1.9x the tokens
+    kv_cache_dtype: KVCacheDtype = "auto"
     gpu_memory_utilization: float = 0.90  # fraction of GPU memory the engine may use in total (CUDA)
     num_kv_blocks: int | None = None  # overrides both memory budgets: exact number of KV blocks
     preemption_mode: PreemptionMode = "swap"  # "recompute" frees a victim's blocks and recomputes them later
@@ -410,6 +415,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.swap_space < 0 or self.max_swap_blocks_per_step < 0:
             raise ValueError("swap_space and max_swap_blocks_per_step must be >= 0")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
         if self.shared_prefix_min_saved_tokens < 0:
