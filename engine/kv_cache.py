@@ -1,6 +1,6 @@
 """The paged KV cache: per layer one preallocated [num_blocks, block_size, kv_heads, head_dim] tensor
-for K and one for V, sized from a memory budget. Its dtype is the model's, or int8 (`kv_cache_dtype`, CPU):
-then each (token, kv head) row is head_dim + 4 int8, the values and their float32 scale (kernels/kv_int8.py),
+for K and one for V, sized from a memory budget. Its dtype is the model's, or int8 (`kv_cache_dtype`, CPU) or
+fp8 e4m3 (CUDA): then each (token, kv head) row is head_dim + 4 bytes, the values and their float32 scale (kernels/kv_quant.py),
 so the scales live in the blocks and every block move (swap, copy-on-write, prefix reuse) carries them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig, KVCacheDtype, ModelConfig
 from engine.dtypes import KernelBackend
-from kernels import kv_int8
+from kernels import kv_quant
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [num_blocks, block_size, kv_heads, row]
 
@@ -23,7 +23,8 @@ KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 
 def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, kernel_backend: KernelBackend) -> torch.dtype:
     """The cache's storage dtype: "auto" is the model's; "int8" needs the torch (CPU) backend, whose attention
-    reads int8 blocks. Anything else fails naming what runs here: never a silent fallback to a larger cache."""
+    reads int8 blocks; "fp8_e4m3" the Triton (CUDA) backend, whose kernels write and read fp8 blocks. Anything else
+    fails naming what runs here: never a silent fallback to a larger cache."""
     if choice == "auto":
         return model_dtype
     if choice == "int8":
@@ -34,16 +35,18 @@ def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, kernel_backend
             )
         return torch.int8
     if choice == "fp8_e4m3":
-        raise ValueError(
-            "kv_cache_dtype 'fp8_e4m3' (CUDA) is not implemented yet: the Triton attention kernels read only "
-            "model-dtype caches; use 'auto' (or 'int8' on the CPU)"
-        )
+        if kernel_backend != "triton":
+            raise ValueError(
+                "kv_cache_dtype 'fp8_e4m3' runs on CUDA (Triton kernel backend); "
+                f"this engine uses the {kernel_backend!r} backend, where 'auto' and 'int8' are supported"
+            )
+        return torch.float8_e4m3fn
     raise ValueError(f"unknown kv_cache_dtype {choice!r}; use one of {list(KV_CACHE_DTYPES)}")
 
 
 def cache_row_width(head_dim: int, dtype: torch.dtype) -> int:
     """Elements of one (token, kv head) row: head_dim, and an int8 row's 4 bytes of scale."""
-    return kv_int8.row_width(head_dim) if dtype == torch.int8 else head_dim
+    return kv_quant.row_width(head_dim) if kv_quant.is_quantized(dtype) else head_dim
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

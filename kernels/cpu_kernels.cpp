@@ -38,7 +38,7 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
-// One head's cache row to float: the row as it is for a float cache; for an int8 cache (kernels/kv_int8.py) the n
+// One head's cache row to float: the row as it is for a float cache; for an int8 cache (kernels/kv_quant.py) the n
 // int8 values times the float32 scale stored in the 4 bytes after them, so that attention dequantizes on the fly
 // what it reads once anyway (no dequantized copy of the cache).
 template <typename cache_t>
