@@ -30,7 +30,7 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
-        help="the engine's KV cache storage: auto (the model's dtype), int8 (CPU)",
+        help="the engine's KV cache storage: auto (the model's dtype), int8 (CPU), fp8_e4m3 (CUDA)",
     )
     parser.add_argument("--skip-hf", action="store_true", help="only run conveyor")
     parser.add_argument("--small", action="store_true", help="a named dummy shape cut to a few narrow layers")

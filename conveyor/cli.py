@@ -73,9 +73,8 @@ def _add_run_command(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
     run.add_argument(
         "--kv-cache-dtype",
         choices=["auto", "int8", "fp8_e4m3"],
-        help="the KV cache's storage: auto (the model's dtype, the default); int8 (CPU): int8 values with a float32 "
-        "scale per token and kv head, ~1.9x the tokens in the same --kv-cache-memory; fp8_e4m3 (CUDA) is not "
-        "implemented yet and is refused",
+        help="the KV cache's storage: auto (the model's dtype, the default); int8 (CPU) or fp8_e4m3 (CUDA): 8-bit "
+        "values with a float32 scale per token and kv head, ~1.9x bf16's tokens in the same memory",
     )
     run.add_argument(
         "--tensor-parallel-size",

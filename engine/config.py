@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 
 PreemptionMode = Literal["recompute", "swap"]
-# The KV cache's storage: "auto" the model's dtype; "int8" (CPU) int8 rows with a float32 scale per (token, kv head),
-# about half of bf16's bytes; "fp8_e4m3" (CUDA) is named but not implemented yet (refused at engine start)
+# The KV cache's storage: "auto" the model's dtype; "int8" (CPU, torch backend) or "fp8_e4m3" (CUDA, Triton backend):
+# 8-bit rows with a float32 scale per (token, kv head), 2 * head_dim / (head_dim + 4) times bf16's tokens
 KVCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
 SchedulingPolicy = Literal["continuous", "static"]
 PreemptionVictim = Literal["recency", "least_work"]
@@ -345,7 +345,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # tokens (prefill chunks + decodes) computed in one step
     max_model_len: int | None = None  # tokens per sequence; None = the model's max_position_embeddings
     kv_cache_memory: int = 4 * 1024**3  # bytes of KV cache on CPU
-    # the KV cache's storage dtype (see KVCacheDtype): "auto" = the model's; "int8" on CPU holds ~1.9x the tokens
+    # the KV cache's storage dtype (see KVCacheDtype): "auto" = the model's; "int8" (CPU) / "fp8_e4m3" (CUDA) hold
+    # ~1.9x bf16's tokens in the same memory; one the backend cannot run is refused at engine start
     kv_cache_dtype: KVCacheDtype = "auto"
     gpu_memory_utilization: float = 0.90  # fraction of GPU memory the engine may use in total (CUDA)
     num_kv_blocks: int | None = None  # overrides both memory budgets: exact number of KV blocks
