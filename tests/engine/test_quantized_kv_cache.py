@@ -3,7 +3,7 @@ its output stays to the unquantized cache's, and that block moves keep it exact.
 
 - Capacity: one budget holds 2 * head_dim / (head_dim + 4) times the bf16 blocks (the 4 bytes are each row's
   float32 scale), 4 * head_dim / (head_dim + 4) times the float32 blocks.
-- Accuracy, SmolLM2 in float32 over 10 chat prompts, 20 greedy tokens each, teacher-forced: the unquantized
+- Accuracy, SmolLM2 in float32 over 16 chat prompts, up to 20 greedy tokens each, teacher-forced: the unquantized
   cache's greedy continuations are scored by the quantized-cache engine (prompt log-probs over prompt +
   continuation: one prefill, which attends the quantized K/V as decoding would); >= 95% of its top tokens equal the
   unquantized run's, and the log-prob it gives those tokens is within LOGPROB_TOLERANCE of the unquantized run's.
@@ -85,24 +85,28 @@ def check_agreement(smollm2_folder, build: Callable[..., LLM], kv_cache_dtype: s
 
 
 def test_smollm2_int8_cache_agrees_with_the_unquantized_cache(smollm2_folder):
-    check_agreement(smollm2_folder, lambda model, **options: LLM(model=model, device="cpu", **options), "int8")
+    check_agreement(smollm2_folder, cpu_llm, "int8")
 
 
-@pytest.mark.parametrize("setup", ["preemption_swap", "prefix_caching"])
-def test_int8_block_moves_read_back_the_same_values(tmp_path_factory, setup):
-    check_block_moves(tmp_path_factory, lambda model, **options: LLM(model=model, device="cpu", **options), "int8",
-                      setup)
-
-
-def check_block_moves(tmp_path_factory, build: Callable[..., LLM], kv_cache_dtype: str, setup: str) -> None:
+@pytest.fixture(scope="module")
+def random_case(tmp_path_factory) -> tuple[str, list[list[int]]]:
     folder = str(save_random_hf_model("llama", tmp_path_factory.mktemp("llama")))
     rng = random.Random(3)
     shared_prefix = [rng.randrange(3, 512) for _ in range(37)]  # so the prefix cache has hits to serve
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(16)]
-    prompts = [shared_prefix + p if i % 2 else p for i, p in enumerate(prompts)]
-    plain = build(folder, dtype="float32", kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False,
-                  max_num_batched_tokens=4096)
-    expected = [o.token_ids for o in _greedy(plain, prompts)]
+    return folder, [shared_prefix + p if i % 2 else p for i, p in enumerate(prompts)]
+
+
+def plain_run(build: Callable[..., LLM], random_case, kv_cache_dtype: str) -> list[list[int]]:
+    """The quantized cache without block moves: no prefix caching, a pool and a step that hold every prompt."""
+    folder, prompts = random_case
+    llm = build(folder, dtype="float32", kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False,
+                max_num_batched_tokens=4096)
+    return [o.token_ids for o in _greedy(llm, prompts)]
+
+
+def check_block_moves(build: Callable[..., LLM], random_case, kv_cache_dtype: str, setup: str, expected) -> None:
+    folder, prompts = random_case
     llm = build(folder, dtype="float32", kv_cache_dtype=kv_cache_dtype, **ENGINE_SETUPS[setup])
     assert llm.engine.runner.kv_caches[0][0].dtype == resolve_kv_cache_dtype(
         kv_cache_dtype, torch.float32, llm.engine.kernel_backend
@@ -111,11 +115,25 @@ def check_block_moves(tmp_path_factory, build: Callable[..., LLM], kv_cache_dtyp
     check_setup_exercised(llm, setup)
 
 
+def cpu_llm(model: str, **options: object) -> LLM:
+    return LLM(model=model, device="cpu", **options)
+
+
+@pytest.fixture(scope="module")
+def int8_plain(random_case) -> list[list[int]]:
+    return plain_run(cpu_llm, random_case, "int8")
+
+
+@pytest.mark.parametrize("setup", ["preemption_swap", "prefix_caching"])
+def test_int8_block_moves_read_back_the_same_values(random_case, int8_plain, setup):
+    check_block_moves(cpu_llm, random_case, "int8", setup, int8_plain)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("setup", ["preemption_swap", "prefix_caching"])
-def test_fp8_block_moves_read_back_the_same_values(tmp_path_factory, setup, cuda_llm):
-    check_block_moves(tmp_path_factory, cuda_llm, "fp8_e4m3", setup)
+def test_fp8_block_moves_read_back_the_same_values(random_case, setup, cuda_llm):
+    check_block_moves(cuda_llm, random_case, "fp8_e4m3", setup, plain_run(cuda_llm, random_case, "fp8_e4m3"))
 
 
 @pytest.mark.cuda
