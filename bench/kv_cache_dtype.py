@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> None:
         requests = make_workload(
             args.num_requests, tuple(args.prompt_len), tuple(args.output_len), engine.model_config.vocab_size, args.seed
         )
+        print(f"{kv_cache_dtype}: {engine.block_manager.num_blocks} blocks, {tokens} tokens", flush=True)
         result = run_conveyor(llm, requests)
         preemptions = sum(engine.stats().preemptions.values())
         if baseline is None:
