@@ -45,7 +45,7 @@ def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, kernel_backend
 
 
 def cache_row_width(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of one (token, kv head) row: head_dim, and an int8 row's 4 bytes of scale."""
+    """Elements of one (token, kv head) row: head_dim, and a quantized row's 4 bytes of scale."""
     return kv_quant.row_width(head_dim) if kv_quant.is_quantized(dtype) else head_dim
 
 
