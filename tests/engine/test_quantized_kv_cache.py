@@ -3,12 +3,12 @@ its output stays to the unquantized cache's, and that block moves keep it exact.
 
 - Capacity: one budget holds 2 * head_dim / (head_dim + 4) times the bf16 blocks (the 4 bytes are each row's
   float32 scale), 4 * head_dim / (head_dim + 4) times the float32 blocks.
-- Accuracy, SmolLM2 in float32 over 16 chat prompts, up to 20 greedy tokens each, teacher-forced: the unquantized
+- Accuracy, SmolLM2 in float32 over 10 chat prompts, up to 20 greedy tokens each, teacher-forced: the unquantized
   cache's greedy continuations are scored by the quantized-cache engine (prompt log-probs over prompt +
   continuation: one prefill, which attends the quantized K/V as decoding would); >= 95% of its top tokens equal the
   unquantized run's, and the log-prob it gives those tokens is within LOGPROB_TOLERANCE of the unquantized run's.
-  (Free-running, one early difference changes the rest of an output: with int8, 221 of the 281 tokens come before
-  their output's first difference.)
+  (Free-running, one early difference changes the rest of an output: with int8, over all 16 QUESTIONS, 221 of the
+  281 tokens come before their output's first difference, where teacher-forced 277 of 281 agree.)
 - Exactness: swap preemption and prefix caching read back exactly the quantized values a plain run attends (a
   prefill's own new K/V are attended as quantized too), so their greedy tokens equal the plain quantized run's.
 - Refusals: a kv_cache_dtype the backend cannot run (int8 on Triton, fp8 on the torch CPU path), an unknown name.
@@ -29,8 +29,8 @@ from engine.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_cache_dty
 from tests.conftest import save_random_hf_model
 from tests.engine.test_hf_equivalence import ENGINE_SETUPS, QUESTIONS, check_setup_exercised
 
-# Largest |log-prob difference| of the unquantized run's greedy token under the two caches (int8, measured: 0.246,
-# where the top two tokens are close; 277 of the 281 greedy choices agree).
+# Largest |log-prob difference| of the unquantized run's greedy token under the two caches (int8, measured: 0.235,
+# where the top two tokens are close; 174 of the 177 greedy choices agree).
 LOGPROB_TOLERANCE = 0.5
 MAX_TOKENS = 20
 
@@ -63,7 +63,7 @@ def check_agreement(smollm2_folder, build: Callable[..., LLM], kv_cache_dtype: s
     tokenizer = Tokenizer.from_folder(smollm2_folder)
     prompts = [
         tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-        for q in QUESTIONS
+        for q in QUESTIONS[:10]
     ]
     reference = _greedy(build(str(smollm2_folder), dtype="float32"), prompts, logprobs=True)
     quantized = build(str(smollm2_folder), dtype="float32", kv_cache_dtype=kv_cache_dtype)
