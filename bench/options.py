@@ -28,6 +28,10 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=64, help="requests per HF static batch")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+        help="the engine's KV cache storage: auto (the model's dtype), int8 (CPU), fp8_e4m3 (CUDA)",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="only run conveyor")
     parser.add_argument("--small", action="store_true", help="a named dummy shape cut to a few narrow layers")
     parser.add_argument(

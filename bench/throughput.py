@@ -190,6 +190,7 @@ def run(args: argparse.Namespace) -> None:
     llm = LLM(
         model=model, dtype=args.dtype, device=args.device, load_format="dummy" if dummy else "auto",
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     requests = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.engine.model_config.vocab_size, args.seed

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import cpu_kernels
+from kernels import cpu_kernels, kv_quant
 from kernels.decode_attention import decode_attention
 from kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
 from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention, run_paged_attention
@@ -49,7 +49,8 @@ class AttentionBackend(Protocol):
 
 class TorchAttention:
     """The CPU path: torch ops, with the K/V writes, decode rows and (bf16 on AVX-512 BF16) prefill chunks in the
-    C++ kernels where they could be built.
+    C++ kernels where they could be built. An int8 cache (kernels/kv_quant.py) gets the new K/V quantized per
+    (token, kv head); its decode rows are dequantized on the fly by the C++ kernel, its prefill chunks by torch.
     Plans the batch layout once per step and kind of layer (window, soft-capping) on the first layer
     that sees the step's metadata, and reuses the plan in every other layer of that kind."""
 
@@ -88,15 +89,22 @@ class TorchAttention:
                 use_decode_kernel=self.use_cpu_kernels,
                 shared_prefix_min_saved_tokens=shared_prefix,
                 window=window,
-                # The prefill kernel has no soft-capping.
+                # The prefill kernel has no soft-capping, and reads bf16 caches only.
                 use_prefill_kernel=self.use_cpu_kernels
                 and softcap is None
+                and k_cache.dtype == query.dtype
                 and cpu_kernels.prefill_attention_available(query.dtype, query.shape[-1]),
             )
+        if k_cache.dtype == torch.int8:
+            # Every read is of the quantized values, a prefill's own new K/V included: what a later chunk, a
+            # prefix-cache hit or a swapped-in sequence reads is then exactly what the first pass attended.
+            key, value = kv_quant.quantize(key, torch.int8), kv_quant.quantize(value, torch.int8)
         if self.use_cpu_kernels:
             cpu_kernels.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         else:
             write_kv_cache_reference(key, value, k_cache, v_cache, metadata.slot_mapping)
+        if k_cache.dtype == torch.int8:
+            key, value = kv_quant.dequantize(key, query.dtype), kv_quant.dequantize(value, query.dtype)
         return run_paged_attention(
             query, k_cache, v_cache, plan, scale, new_key=key, new_value=value, softcap=softcap
         )

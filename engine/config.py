@@ -8,6 +8,9 @@ from typing import Any, Literal
 
 
 PreemptionMode = Literal["recompute", "swap"]
+# The KV cache's storage: "auto" the model's dtype; "int8" (CPU, torch backend) or "fp8_e4m3" (CUDA, Triton backend):
+# 8-bit rows with a float32 scale per (token, kv head), 2 * head_dim / (head_dim + 4) times bf16's tokens
+KVCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
 SchedulingPolicy = Literal["continuous", "static"]
 PreemptionVictim = Literal["recency", "least_work"]
 KernelBackendChoice = Literal["auto", "torch", "triton"]
@@ -466,6 +469,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # tokens (prefill chunks + decodes) computed in one step
     max_model_len: int | None = None  # tokens per sequence; None = the model's max_position_embeddings
     kv_cache_memory: int = 4 * 1024**3  # bytes of KV cache on CPU
+    # the KV cache's storage dtype (see KVCacheDtype): "auto" = the model's; "int8" (CPU) / "fp8_e4m3" (CUDA) hold
+    # ~1.9x bf16's tokens in the same memory; one the backend cannot run is refused at engine start
+    kv_cache_dtype: KVCacheDtype = "auto"
     gpu_memory_utilization: float = 0.90  # fraction of GPU memory the engine may use in total (CUDA)
     num_kv_blocks: int | None = None  # overrides both memory budgets: exact number of KV blocks
     preemption_mode: PreemptionMode = "swap"  # "recompute" frees a victim's blocks and recomputes them later
@@ -539,6 +545,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.swap_space < 0 or self.max_swap_blocks_per_step < 0:
             raise ValueError("swap_space and max_swap_blocks_per_step must be >= 0")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
         if self.shared_prefix_min_saved_tokens < 0:

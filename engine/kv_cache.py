@@ -1,22 +1,58 @@
 """The paged KV cache: per layer one preallocated [num_blocks, block_size, kv_heads, head_dim] tensor
-for K and one for V, sized from a memory budget."""
+for K and one for V, sized from a memory budget. Its dtype is the model's, or int8 (`kv_cache_dtype`, CPU) or
+fp8 e4m3 (CUDA): then each (token, kv head) row is head_dim + 4 bytes, the values and their float32 scale (kernels/kv_quant.py),
+so the scales live in the blocks and every block move (swap, copy-on-write, prefix reuse) carries them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, KVCacheDtype, ModelConfig
+from engine.dtypes import KernelBackend
+from kernels import kv_quant
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [num_blocks, block_size, kv_heads, head_dim]
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [num_blocks, block_size, kv_heads, row]
+
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
+
+
+def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, kernel_backend: KernelBackend) -> torch.dtype:
+    """The cache's storage dtype: "auto" is the model's; "int8" needs the torch (CPU) backend, whose attention
+    reads int8 blocks; "fp8_e4m3" the Triton (CUDA) backend, whose kernels write and read fp8 blocks. Anything else
+    fails naming what runs here: never a silent fallback to a larger cache."""
+    if choice == "auto":
+        return model_dtype
+    if choice == "int8":
+        if kernel_backend != "torch":
+            raise ValueError(
+                "kv_cache_dtype 'int8' runs on the CPU (torch kernel backend); "
+                f"this engine uses the {kernel_backend!r} backend, where 'auto' is supported"
+            )
+        return torch.int8
+    if choice == "fp8_e4m3":
+        if kernel_backend != "triton":
+            raise ValueError(
+                "kv_cache_dtype 'fp8_e4m3' runs on CUDA (Triton kernel backend); "
+                f"this engine uses the {kernel_backend!r} backend, where 'auto' and 'int8' are supported"
+            )
+        return torch.float8_e4m3fn
+    raise ValueError(f"unknown kv_cache_dtype {choice!r}; use one of {list(KV_CACHE_DTYPES)}")
+
+
+def cache_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one (token, kv head) row: head_dim, and a quantized row's 4 bytes of scale."""
+    return kv_quant.row_width(head_dim) if kv_quant.is_quantized(dtype) else head_dim
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.tensor([], dtype=dtype).element_size()
-    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * element_size
+    row = cache_row_width(model.head_dim, dtype)
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * row * element_size
 
 
 @dataclass(frozen=True)
@@ -73,7 +109,7 @@ def num_kv_blocks(
 def allocate_kv_cache(
     model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> KVCaches:
-    shape = (2, num_blocks, block_size, model.num_key_value_heads, model.head_dim)
+    shape = (2, num_blocks, block_size, model.num_key_value_heads, cache_row_width(model.head_dim, dtype))
     return [tuple(_zeros(shape, dtype, device).unbind(0)) for _ in range(model.num_hidden_layers)]
 
 
@@ -91,7 +127,7 @@ def allocate_host_kv_cache(
     cross PCIe by DMA at full speed; a CPU engine's host pool is plain (lazily committed) memory."""
     if num_blocks == 0:
         return []
-    shape = (2, num_blocks, block_size, model.num_key_value_heads, model.head_dim)
+    shape = (2, num_blocks, block_size, model.num_key_value_heads, cache_row_width(model.head_dim, dtype))
     if device.type == "cpu":
         return [tuple(_zeros(shape, dtype, device).unbind(0)) for _ in range(model.num_hidden_layers)]
     return [tuple(torch.empty(shape, dtype=dtype, pin_memory=True).unbind(0)) for _ in range(model.num_hidden_layers)]

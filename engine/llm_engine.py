@@ -28,6 +28,7 @@ from engine.dtypes import on_device, resolve_device, resolve_dtype, resolve_kern
 from engine.lora import load_adapter
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.metrics import EngineStats, StepCounters
+from engine.kv_cache import resolve_kv_cache_dtype
 from engine.model_runner import ModelRunner, StepResult
 from engine.multimodal.inputs import ImageInput, PlacedImage
 from engine.multimodal.kind import VisionLanguageKind
@@ -80,6 +81,7 @@ class LLMEngine:
         spec = ShardSpec(source, self.model_config, self.config, self.device, self.dtype, self.kernel_backend)
         tp_size = self.config.tensor_parallel_size
         rank_model_config(self.model_config, tp_size)  # sizes not divisible: fail before starting any process
+        resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype, self.kernel_backend)  # and a cache it cannot run
         ranks = TensorParallelRanks(spec) if tp_size > 1 else None
         try:
             shard = build_model_shard(spec, ranks.group if ranks is not None else SINGLE)

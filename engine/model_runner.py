@@ -177,8 +177,10 @@ class ModelRunner:
         max_chunk = min(max_num_batched_tokens, max_blocks_per_seq * self.block_size)
         for query_len in chunk_lengths_per_tile(num_heads, num_kv_heads, max_chunk):
             self.run_dummy_step([query_len], -(-query_len // self.block_size))
+        # The kernels hold K/V tiles in the activations' dtype (a quantized cache's rows dequantized into it).
+        activation_size = self.model.model.norm.weight.element_size()
         for width in table_widths_per_variant(
-            num_kv_heads, config.head_dim, k_cache.element_size(), self.block_size,
+            num_kv_heads, config.head_dim, activation_size, self.block_size,
             max_blocks_per_seq, self.device,
         ):
             self.run_dummy_step([1], width)

@@ -20,6 +20,7 @@ from engine.distributed import TensorParallelGroup, building_with
 from engine.dtypes import KernelBackend, building_on, cpu_has_fast_bf16, on_device
 from engine.kv_cache import (
     allocate_host_kv_cache, allocate_kv_cache, bytes_per_block, num_host_blocks, num_kv_blocks, profile_device_memory,
+    resolve_kv_cache_dtype,
 )
 from engine.loader import init_dummy_weights, iter_checkpoint
 from engine.model_registry import ModelSource
@@ -118,10 +119,11 @@ def _build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShar
         if vision is not None:  # the encoder's largest batch runs in a step too (before the decoder, not with it)
             step = _then(vision.run_largest_batch, step)
         device_memory = profile_device_memory(device, step)
-    num_blocks = group.min_over_ranks("kv-blocks", num_kv_blocks(shape, config, spec.dtype, device_memory))
-    num_host = group.min_over_ranks("host-blocks", num_host_blocks(shape, config, spec.dtype))
-    kv_caches = allocate_kv_cache(shape, num_blocks, config.block_size, spec.dtype, device)
-    host_caches = allocate_host_kv_cache(shape, num_host, config.block_size, spec.dtype, device)
+    cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, spec.dtype, spec.kernel_backend)
+    num_blocks = group.min_over_ranks("kv-blocks", num_kv_blocks(shape, config, cache_dtype, device_memory))
+    num_host = group.min_over_ranks("host-blocks", num_host_blocks(shape, config, cache_dtype))
+    kv_caches = allocate_kv_cache(shape, num_blocks, config.block_size, cache_dtype, device)
+    host_caches = allocate_host_kv_cache(shape, num_host, config.block_size, cache_dtype, device)
     max_model_len = min(
         config.max_model_len or spec.model_config.max_position_embeddings,
         spec.model_config.max_position_embeddings,
@@ -139,7 +141,7 @@ def _build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShar
         runner=runner,
         num_blocks=num_blocks,
         num_host_blocks=num_host,
-        bytes_per_block=bytes_per_block(shape, config.block_size, spec.dtype),
+        bytes_per_block=bytes_per_block(shape, config.block_size, cache_dtype),
         max_model_len=max_model_len,
     )
 
@@ -159,7 +161,8 @@ def largest_step(
         repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1, logit_bias={0: 0.0}, max_tokens=2,
     )
     rows = [SamplingRow(heaviest, seed=0, prompt_token_ids=[0], output_token_ids=[0], eos_token_ids=()) for _ in query_lens]
-    caches = allocate_kv_cache(shape, 1, config.block_size, spec.dtype, device)
+    cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, spec.dtype, spec.kernel_backend)
+    caches = allocate_kv_cache(shape, 1, config.block_size, cache_dtype, device)
     probe = ModelRunner(model, caches, [], config.block_size, device, spec.kernel_backend)
     return lambda: probe.run_dummy_step(query_lens, -(-max(query_lens) // config.block_size), rows)
 

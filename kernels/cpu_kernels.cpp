@@ -14,6 +14,9 @@
 #include <immintrin.h>
 #define CONVEYOR_AVX512_BF16 1
 #endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>  // the int8 KV rows' dequantization (widen_row)
+#endif
 #if defined(CONVEYOR_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -35,6 +38,35 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
+// One head's cache row to float: the row as it is for a float cache; for an int8 cache (kernels/kv_quant.py) the n
+// int8 values times the float32 scale stored in the 4 bytes after them, so that attention dequantizes on the fly
+// what it reads once anyway (no dequantized copy of the cache).
+template <typename cache_t>
+static inline void widen_row(const cache_t* src, float* dst, int64_t n) {
+  widen(src, dst, n);
+}
+
+template <>
+inline void widen_row<int8_t>(const int8_t* src, float* dst, int64_t n) {
+  float scale;
+  std::memcpy(&scale, src + n, sizeof(float));  // unaligned: rows are n + 4 bytes apart
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 scales = _mm512_set1_ps(scale);
+  for (; i + 16 <= n; i += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scales));
+  }
+#elif defined(__AVX2__)
+  const __m256 scales = _mm256_set1_ps(scale);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scales));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
 // Below any real score, and finite: the kernels are built with -ffast-math (vectorized exp),
 // under which infinities are not allowed. exp(kNoScore - score) is exactly 0.
 constexpr float kNoScore = -1e30f;
@@ -44,17 +76,19 @@ constexpr float kNoScore = -1e30f;
 // hundreds of them).
 constexpr int64_t kSerialElements = 65536;
 
-template <typename scalar_t>
+// The portable kernel; cache_t is the query's type, or int8_t for an int8 cache whose head rows are row_width =
+// head_dim + 4 elements (the values, then their float32 scale).
+template <typename scalar_t, typename cache_t>
 static void decode_kernel(
     const scalar_t* query, int64_t query_row_stride, int64_t query_head_stride,
-    const scalar_t* k_cache, const scalar_t* v_cache,
+    const cache_t* k_cache, const cache_t* v_cache,
     const int32_t* block_tables, int64_t max_blocks,
     const int32_t* seq_lens, const int64_t* token_index,
     scalar_t* out, int64_t out_row_stride,
-    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, int64_t window, float softcap) {
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t row_width,
+    int64_t block_size, float scale, int64_t window, float softcap) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t slot_stride = num_kv_heads * head_dim;  // between consecutive tokens in the cache
+  const int64_t slot_stride = num_kv_heads * row_width;  // between consecutive tokens in the cache
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * block_size);
     std::vector<float> keys(block_size * head_dim), values(block_size * head_dim);
@@ -77,12 +111,12 @@ static void decode_kernel(
         const int64_t block = block_tables[seq * max_blocks + b];
         const int64_t skip = std::max<int64_t>(0, first - b * block_size);  // leading positions outside the window
         const int64_t tokens = std::min(block_size, length - b * block_size) - skip;
-        const scalar_t* k_block = k_cache + (block * block_size + skip) * slot_stride + kv_head * head_dim;
-        const scalar_t* v_block = v_cache + (block * block_size + skip) * slot_stride + kv_head * head_dim;
-        // Widen the block's K and V once; every query head of the group then reads floats.
+        const cache_t* k_block = k_cache + (block * block_size + skip) * slot_stride + kv_head * row_width;
+        const cache_t* v_block = v_cache + (block * block_size + skip) * slot_stride + kv_head * row_width;
+        // Widen (or dequantize) the block's K and V once; every query head of the group then reads floats.
         for (int64_t t = 0; t < tokens; ++t) {
-          widen(k_block + t * slot_stride, &keys[t * head_dim], head_dim);
-          widen(v_block + t * slot_stride, &values[t * head_dim], head_dim);
+          widen_row(k_block + t * slot_stride, &keys[t * head_dim], head_dim);
+          widen_row(v_block + t * slot_stride, &values[t * head_dim], head_dim);
         }
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = &q[j * head_dim];
@@ -427,14 +461,31 @@ void paged_decode_attention(
     }
   }
 #endif
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches of one dtype");
+  if (k_cache.scalar_type() == at::kChar) {  // int8 rows of head_dim values and their float32 scale
+    const int64_t head_dim = k_cache.size(3) - 4;
+    TORCH_CHECK(head_dim == query.size(2), "an int8 cache row is head_dim + 4 bytes");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention_int8", [&] {
+      decode_kernel<scalar_t, int8_t>(
+          query.data_ptr<scalar_t>(), query.stride(0), query.stride(1),
+          k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+          block_tables.data_ptr<int32_t>(), block_tables.size(1),
+          seq_lens.data_ptr<int32_t>(), token_index.data_ptr<int64_t>(),
+          out.data_ptr<scalar_t>(), out.stride(0),
+          seq_lens.size(0), query.size(1), k_cache.size(2), head_dim, k_cache.size(3), k_cache.size(1),
+          static_cast<float>(scale), window, static_cast<float>(softcap));
+    });
+    return;
+  }
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type(), "a float cache has the query's dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(
+    decode_kernel<scalar_t, scalar_t>(
         query.data_ptr<scalar_t>(), query.stride(0), query.stride(1),
         k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
         block_tables.data_ptr<int32_t>(), block_tables.size(1),
         seq_lens.data_ptr<int32_t>(), token_index.data_ptr<int64_t>(),
         out.data_ptr<scalar_t>(), out.stride(0),
-        seq_lens.size(0), query.size(1), k_cache.size(2), k_cache.size(3), k_cache.size(1),
+        seq_lens.size(0), query.size(1), k_cache.size(2), k_cache.size(3), k_cache.size(3), k_cache.size(1),
         static_cast<float>(scale), window, static_cast<float>(softcap));
   });
 }

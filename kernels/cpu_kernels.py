@@ -7,7 +7,8 @@ heads of a kv head at a time (in bf16 on a CPU with AVX-512 BF16: q.k and p.v bo
 from the cache's bf16, the probabilities rounded to bf16 as torch's bf16 attention rounds them, one
 softmax step per 64 positions, the next rows prefetched since blocks lie anywhere in the cache: 64
 sequences of 400 positions in SmolLM2-135M's shape, two threads, 0.79 ms a layer where widening the
-values to float32 for p.v took 2.0, and a plain read of the K/V 0.56);
+values to float32 for p.v took 2.0, and a plain read of the K/V 0.56; an int8 cache, kernels/kv_quant.py, goes to the
+portable kernel, which dequantizes each row as it widens it, 16 values at a time with AVX-512, 8 with AVX2);
 the RMSNorm fuses the residual add and the float32 statistics into one pass per row; in bf16 and fp16
 the rotary embedding (in place, bit for bit the torch expression), SwiGLU's silu(gate) * up and the
 K/V cache writes are one pass each instead of several torch ops. Their oracles are
@@ -123,7 +124,7 @@ def _kernels() -> ModuleType:
 
 def paged_decode_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim]; head_dim contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], or int8 rows of head_dim + 4 (kv_quant)
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32: context length of each decode row

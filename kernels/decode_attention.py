@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from kernels.kv_quant import is_quantized, row_width
 from kernels.prefill_attention import prefill_attention_reference
 from kernels.triton_utils import (
     dot_in_fp32,
@@ -71,6 +72,7 @@ def _decode_partition_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """Program (sequence, kv head, split): attention of the kv head's query group over one
     partition of the attended context (the last `window` positions when window > 0). Scores are
@@ -111,7 +113,7 @@ def _decode_partition_kernel(
         valid = positions < split_end
         k, v = load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table, positions, valid, kv_head, dims, dim_mask,
-            cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE,
+            cache_stride_block, cache_stride_offset, cache_stride_head, q, head_dim, BLOCK_SIZE, QUANTIZED,
         )
 
         scores = matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2
@@ -227,7 +229,8 @@ def decode_attention(
     require_triton()
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+    quantized = is_quantized(k_cache.dtype)  # rows of head_dim fp8 values and their scale (kernels/kv_quant.py)
+    if cache_head_dim != (row_width(head_dim) if quantized else head_dim) or num_heads % num_kv_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
@@ -244,7 +247,7 @@ def decode_attention(
 
     group_size = num_heads // num_kv_heads
     head_dim_pad = next_power_of_2(head_dim)
-    block_n = key_tile_length(head_dim, k_cache.element_size())
+    block_n = key_tile_length(head_dim, q.element_size())  # K/V tiles are held in q's dtype
     if num_splits is None:
         num_splits = _default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, block_n, q.device)
     if num_splits < 1:
@@ -290,8 +293,9 @@ def decode_attention(
         GROUP_PAD=max(16, next_power_of_2(group_size)),
         HEAD_DIM_PAD=head_dim_pad,
         SINGLE_SPLIT=single_split,
-        DOT_IN_FP32=dot_in_fp32(k_cache.dtype),
+        DOT_IN_FP32=dot_in_fp32(q.dtype),
         SOFTCAP=softcap is not None,
+        QUANTIZED=quantized,
         num_warps=4,
     )
     if not single_split:

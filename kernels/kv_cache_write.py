@@ -2,13 +2,15 @@
 
 Cache layout, per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V. Token t
 goes to the flat slot `slot_mapping[t] = block_id * block_size + offset`; slot -1 marks a padding
-token whose K/V are dropped.
+token whose K/V are dropped. An fp8 cache's rows are `head_dim + 4` wide: each (token, kv head) row is
+quantized as it is written, with its float32 scale after it (kernels/kv_quant.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import kv_quant
 from kernels.triton_utils import next_power_of_2, require_triton, tl, triton
 
 
@@ -29,10 +31,13 @@ def _write_kv_cache_kernel(
     block_size,
     num_kv_heads,
     head_dim,
+    LARGEST,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
-    """One program per token: all of its kv heads at once."""
+    """One program per token: all of its kv heads at once. QUANTIZED: each head's row scaled by amax / LARGEST
+    into the cache's fp8 type, the scale stored after the row."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -52,6 +57,21 @@ def _write_kv_cache_kernel(
     value = tl.load(
         value_ptr + token64 * value_stride_token + heads[:, None] * value_stride_head + dims[None, :], mask=mask
     )
+    if QUANTIZED:
+        row_offsets = (
+            (slot // block_size) * cache_stride_block + (slot % block_size) * cache_stride_offset
+            + heads * cache_stride_head + head_dim
+        )
+        head_mask = heads < num_kv_heads
+        key = key.to(tl.float32)
+        value = value.to(tl.float32)
+        k_scale = tl.max(tl.where(mask, tl.abs(key), 0.0), 1) / LARGEST
+        v_scale = tl.max(tl.where(mask, tl.abs(value), 0.0), 1) / LARGEST
+        # An all-zero row (scale 0) divides by 1: its values stay 0.
+        key = key / tl.where(k_scale > 0, k_scale, 1.0)[:, None]
+        value = value / tl.where(v_scale > 0, v_scale, 1.0)[:, None]
+        tl.store((k_cache_ptr + row_offsets).to(tl.pointer_type(tl.float32)), k_scale, mask=head_mask)
+        tl.store((v_cache_ptr + row_offsets).to(tl.pointer_type(tl.float32)), v_scale, mask=head_mask)
     tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -72,7 +92,10 @@ def write_kv_cache(
         raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)}, slots {tuple(slot_mapping.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if k_cache.shape[2:] != (num_kv_heads, head_dim):
+    quantized = kv_quant.is_quantized(k_cache.dtype)
+    if quantized and k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"the Triton KV write quantizes to float8_e4m3fn only, not {k_cache.dtype}")
+    if k_cache.shape[2:] != (num_kv_heads, kv_quant.row_width(head_dim) if quantized else head_dim):
         raise ValueError(f"cache {tuple(k_cache.shape)} does not hold [{num_kv_heads}, {head_dim}] rows")
     if key.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("head_dim must be the contiguous dimension of key, value and the caches")
@@ -94,8 +117,10 @@ def write_kv_cache(
         k_cache.shape[1],
         num_kv_heads,
         head_dim,
+        kv_quant.largest(k_cache.dtype) if quantized else 1.0,
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=next_power_of_2(head_dim),
+        QUANTIZED=quantized,
     )
 
 
@@ -106,10 +131,16 @@ def write_kv_cache_reference(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Plain-torch `write_kv_cache`: the engine's CPU path."""
+    """Plain-torch `write_kv_cache`: the engine's CPU path. Into a quantized cache, rows of head_dim are quantized
+    first (kernels/kv_quant.py); rows already quantized (head_dim + 4 wide) are copied as they are."""
+    if kv_quant.is_quantized(k_cache.dtype) and key.shape[-1] != k_cache.shape[-1]:
+        key, value = kv_quant.quantize(key, k_cache.dtype), kv_quant.quantize(value, v_cache.dtype)
     keep = slot_mapping >= 0
     if not bool(keep.all()):  # padding slots are rare; skip the masked copies when there are none
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), value.to(v_cache.dtype))
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    if k_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel on CPU: copied as bytes
+        key, value, k_cache, v_cache = (t.view(torch.uint8) for t in (key, value, k_cache, v_cache))
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), value)

@@ -1,6 +1,7 @@
 """Paged attention in plain torch: the CPU path of the engine and the oracle for the Triton kernels.
 
-Cache layout, per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V. A batch is
+Cache layout, per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V (an int8 cache:
+`head_dim + 4` int8 per row, the values and their scale, kernels/kv_quant.py, dequantized as blocks are read). A batch is
 flat ("varlen"): sequence i owns query rows `[query_start_loc[i], query_start_loc[i+1])`, and its
 `seq_lens[i]` counts every token in its context including the new ones, which are already written
 to the cache. New token j of a sequence with q_len new tokens sits at position seq_len - q_len + j
@@ -29,6 +30,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_quant
 from kernels.cpu_kernels import paged_decode_attention, paged_prefill_attention
 
 _BUCKET_FILL = 0.8  # a decode group's shortest context is at least this share of its longest
@@ -291,9 +293,8 @@ def run_paged_attention(
     for decode in plan.decode_groups:
         batch = decode.token_index.shape[0]
         padded = (batch, decode.mask.shape[-1], num_kv_heads, head_dim)
-        # index_select copies whole blocks in one pass; advanced indexing is markedly slower on CPU.
-        keys = k_cache.index_select(0, decode.blocks).view(padded).transpose(1, 2)
-        values = v_cache.index_select(0, decode.blocks).view(padded).transpose(1, 2)
+        keys = read_blocks(k_cache, decode.blocks, query.dtype).view(padded).transpose(1, 2)
+        values = read_blocks(v_cache, decode.blocks, query.dtype).view(padded).transpose(1, 2)
         # The query heads sharing a kv head lie along the query axis: GQA without repeating K/V.
         q = query[decode.token_index].view(batch, num_kv_heads, group, head_dim)
         attn = attend(q, keys, values, attn_mask=decode.mask, scale=scale)
@@ -311,8 +312,8 @@ def run_paged_attention(
             keys, values = new_key[prefill.rows], new_value[prefill.rows]  # no prefix: what was just written
         else:
             length = prefill.seq_len - prefill.first_key
-            keys = k_cache.index_select(0, prefill.blocks).flatten(0, 1)[:length]
-            values = v_cache.index_select(0, prefill.blocks).flatten(0, 1)[:length]
+            keys = read_blocks(k_cache, prefill.blocks, query.dtype).flatten(0, 1)[:length]
+            values = read_blocks(v_cache, prefill.blocks, query.dtype).flatten(0, 1)[:length]
         # 4-D inputs: torch's CPU flash kernel only takes batched inputs; 3-D falls back to the
         # much slower math path.
         q = query[prefill.rows].transpose(0, 1)[None]  # [1, H, q_len, D]
@@ -322,6 +323,14 @@ def run_paged_attention(
         )
         out[prefill.rows] = attn[0].transpose(0, 1)
     return out
+
+
+def read_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The blocks' K or V [len(blocks), block_size, kv_heads, head_dim] in `dtype`: copied out in one pass
+    (index_select; advanced indexing is markedly slower on CPU), and dequantized when the cache is int8 or fp8
+    (kernels/kv_quant.py), only the blocks read."""
+    rows = cache.index_select(0, blocks)
+    return kv_quant.dequantize(rows, dtype) if kv_quant.is_quantized(cache.dtype) else rows
 
 
 def _softcapped_attention(
@@ -354,12 +363,12 @@ def _attend_shared_prefix(
     """[g, num_heads, head_dim]: the group's rows over the prefix (all rows' queries against one
     copy of its K/V) and over their own suffixes, merged in float32."""
     rows = shared.token_index.shape[0]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[2], query.shape[2]
     group = query.shape[1] // num_kv_heads
     q = query[shared.token_index].view(rows, num_kv_heads, group, head_dim)
 
     def gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> torch.Tensor:  # [batch, kv, len, D]
-        return cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        return read_blocks(cache, blocks, query.dtype).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
 
     # Every row's queries as one [kv, rows * group] matrix against the single copy of the prefix.
     prefix_q = q.transpose(0, 1).reshape(1, num_kv_heads, rows * group, head_dim)

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from kernels.kv_quant import is_quantized, row_width
 from kernels.paged_attention import paged_attention_reference
 from kernels.triton_utils import (
     dot_in_fp32,
@@ -72,6 +73,7 @@ def _prefill_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """Program (query tile, kv head). Row r of the tile is token r // group_size of the tile and
     query head kv_head * group_size + r % group_size; block_q = BLOCK_M // group_size."""
@@ -126,7 +128,7 @@ def _prefill_attention_kernel(
         key_valid = key_positions < kv_end
         k, v = load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table, key_positions, key_valid, kv_head, dims, dim_mask,
-            cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE,
+            cache_stride_block, cache_stride_offset, cache_stride_head, q, head_dim, BLOCK_SIZE, QUANTIZED,
         )
 
         scores = matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2
@@ -192,7 +194,8 @@ def prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+    quantized = is_quantized(k_cache.dtype)  # rows of head_dim fp8 values and their scale (kernels/kv_quant.py)
+    if cache_head_dim != (row_width(head_dim) if quantized else head_dim) or num_heads % num_kv_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
@@ -211,7 +214,7 @@ def prefill_attention(
     group_size = num_heads // num_kv_heads
     block_m = _tile_rows(group_size, max_query_len)
     block_q = block_m // group_size
-    block_n = key_tile_length(head_dim, k_cache.element_size())
+    block_n = key_tile_length(head_dim, q.element_size())  # K/V tiles are held in q's dtype
     num_tiles = num_tokens // block_q + num_seqs
     _prefill_attention_kernel[(num_tiles, num_kv_heads)](
         q,
@@ -240,8 +243,9 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD_DIM_PAD=next_power_of_2(head_dim),
-        DOT_IN_FP32=dot_in_fp32(k_cache.dtype),
+        DOT_IN_FP32=dot_in_fp32(q.dtype),
         SOFTCAP=softcap is not None,
+        QUANTIZED=quantized,
         num_warps=4,
     )
     return out
@@ -259,10 +263,12 @@ def prefill_attention_reference(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch `prefill_attention`: the engine's torch paged attention, run in float32 so the
-    oracle is more precise than the bf16 kernel it checks. Rows of q past query_start_loc[-1] come
-    back uninitialized."""
+    oracle is more precise than the bf16 kernel it checks (a quantized cache's rows dequantized to float32, where
+    the kernel rounds them to q's dtype). Rows of q past query_start_loc[-1] come back uninitialized."""
+    if not is_quantized(k_cache.dtype):
+        k_cache, v_cache = k_cache.float(), v_cache.float()
     out = paged_attention_reference(
-        q.float(), k_cache.float(), v_cache.float(), query_start_loc.tolist(), seq_lens.tolist(), block_tables,
+        q.float(), k_cache, v_cache, query_start_loc.tolist(), seq_lens.tolist(), block_tables,
         scale, window=window, softcap=softcap,
     )
     return out.to(q.dtype)

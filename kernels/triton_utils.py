@@ -109,10 +109,14 @@ def load_kv_tile(
     cache_stride_block,
     cache_stride_offset,
     cache_stride_head,
+    q,
+    head_dim,
     BLOCK_SIZE: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """K and V at context `positions` of one sequence ([tile, head_dim] each), read through its
-    block table; rows where `valid` is False load zeros."""
+    block table; rows where `valid` is False load zeros. A QUANTIZED cache's rows (kernels/kv_quant.py: head_dim
+    fp8 values, then their float32 scale) are dequantized in float32 and rounded to q's dtype."""
     block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     token_offsets = (
         block_ids * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_offset + kv_head * cache_stride_head
@@ -121,4 +125,9 @@ def load_kv_tile(
     kv_mask = valid[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if QUANTIZED:
+        k_scale = tl.load((k_cache_ptr + token_offsets + head_dim).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+        v_scale = tl.load((v_cache_ptr + token_offsets + head_dim).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+        k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
     return k, v
