@@ -168,9 +168,9 @@ def chunk_leases(stack: Stack, batch_id: str) -> dict[bytes, bytes | None]:
         redis.close()
 
 
-def taken_over(now: dict[bytes, bytes | None], held: dict[bytes, bytes | None]) -> bool:
-    """Whether another holder has each lease of `held` (a lapsed lease nobody took is not taken over)."""
-    return all(now.get(key) not in (None, token) for key, token in held.items())
+def taken_over(now: dict[bytes, bytes | None], held: dict[bytes, bytes | None]) -> set[bytes]:
+    """The leases of `held` another holder has now (a lapsed lease nobody took is not taken over)."""
+    return {key for key, token in held.items() if now.get(key) not in (None, token)}
 
 
 def test_a_worker_stalled_past_its_lease_duplicates_nothing(recovery_stack: Stack, tmp_path: Path) -> None:
@@ -186,10 +186,11 @@ def test_a_worker_stalled_past_its_lease_duplicates_nothing(recovery_stack: Stac
             # Started now, its start overlaps the stalled worker's leases lapsing: it takes the queued chunks, then
             # the stalled ones once the sweep sends them again.
             other = start_worker(recovery_stack.settings, tmp_path / "other-worker.log")
-            # Resumed as soon as another worker holds every chunk it held (or the batch is done): both then run the
-            # same chunks at once, and the stalled one must find its leases lost.
+            # Resumed as soon as another worker has held each chunk it held (or the batch is done): both may then run
+            # the same chunks at once, and the stalled one must find its leases lost.
             deadline = time.monotonic() + 180
-            while not taken_over(chunk_leases(recovery_stack, batch_id), held):
+            taken: set[bytes] = set()  # another holder was seen on each: the stalled one's lease is lost for good
+            while (taken := taken | taken_over(chunk_leases(recovery_stack, batch_id), held)) != held.keys():
                 if client.batches.retrieve(batch_id).status == "completed":
                     break
                 assert time.monotonic() < deadline, "the stalled worker's chunks were never taken over"
