@@ -33,6 +33,9 @@ POSTGRES_ADMIN_URL = os.environ.get(
     "CONVEYOR_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
 REDIS_URL = os.environ.get("CONVEYOR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+# The test stack's engine dtype. `auto` runs bfloat16 on a CPU with AVX-512 BF16 and float32 on an AVX2-only one:
+# float32 here approximates the slower host's workers (README, "Tests").
+STACK_DTYPE = os.environ.get("CONVEYOR_TEST_DTYPE", "auto")
 
 
 @pytest.fixture
@@ -56,6 +59,7 @@ def service_settings(database_url: str, s3_settings: S3Settings) -> Iterator[Set
             redis_url=REDIS_URL,
             redis_prefix=prefix,
             s3=s3_settings,
+            dtype=STACK_DTYPE,
             chunk_size=16,
             rag_documents_per_chunk=2,  # RAG jobs of a few documents still run several chunks and merge their parts
             worker_concurrency=4,

@@ -45,6 +45,7 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"], error
     assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    assert not error["message"].startswith("Invalid the "), error  # a reliability run read "Invalid the request: …"
     return error
 
 
@@ -76,6 +77,11 @@ def test_a_nul_byte_in_a_json_body_answers_400(http: httpx.Client) -> None:
     assert_openai_error(http.post("/v1/batches", json=body), 400)
     body = {"input_file_id": "x", "endpoint": "/v1/chat/completions", "completion_window": "24h", "metadata": {"k": "\u0000"}}
     assert http.post("/v1/batches", json=body).status_code in (400, 404)
+
+
+def test_a_body_that_is_not_an_object_is_an_invalid_request(http: httpx.Client) -> None:
+    error = assert_openai_error(http.post("/v1/batches", json=["a", "list"]), 400)
+    assert error["message"].startswith("Invalid request: ") and error["param"] is None, error
 
 
 @pytest.mark.parametrize(

@@ -90,20 +90,35 @@ def observed(service_settings: Settings, tmp_path_factory: pytest.TempPathFactor
             # No worker yet: the batch's validate task waits in the control queue.
             while_queued = scrape(api_url(stack, "/metrics"))
             stack.start_worker()
-            assert wait_for(client, batch.id, timeout_s=150).status == "completed"
+            assert wait_for(client, batch.id).status == "completed"
             worker_url = f"http://{settings.worker_metrics_host}:{settings.worker_metrics_port}/metrics"
             yield Observed(stack, batch.id, while_queued, scrape(api_url(stack, "/metrics")), chunk_counted(worker_url))
 
 
-def chunk_counted(worker_url: str, timeout_s: float = 60.0) -> list[Sample]:
-    """The worker's metrics once its run_chunk task has ended. The batch completes before that: the task's last
-    step enqueues finalize, which another thread may finish before Celery reports the task done (a loaded machine
-    widens the gap)."""
+def chunk_counted(worker_url: str, timeout_s: float = 120.0) -> list[Sample]:
+    """The worker's metrics once its validate and run_chunk tasks have both ended, with the engine's. The batch
+    completes before the tasks are counted: a task's last step enqueues the next one, which another thread may finish
+    before Celery reports the first done (a loaded machine widens the gap; at load 8 it was seconds). A scrape that
+    waited for the engine past its timeout leaves the engine's metrics out: the next one has them."""
     deadline = time.monotonic() + timeout_s
     while True:
         samples = scrape(worker_url)
-        counted = [s for s in samples if s.name == "conveyor_chunk_duration_seconds_count" and s.value >= 1]
-        if counted or time.monotonic() > deadline:
+        ended = {
+            (s.name, s.labels.get("task"))
+            for s in samples
+            if s.value >= 1
+            and (
+                s.name in ("conveyor_chunk_duration_seconds_count", "conveyor_engine_steps_total")
+                or (s.name == "conveyor_tasks_total" and s.labels.get("outcome") == "success")
+            )
+        }
+        wanted = {
+            ("conveyor_engine_steps_total", None),  # absent from a scrape that found the engine busy past its timeout
+            ("conveyor_chunk_duration_seconds_count", None),
+            ("conveyor_tasks_total", "conveyor.run_chunk"),
+            ("conveyor_tasks_total", "conveyor.validate"),
+        }
+        if wanted <= ended or time.monotonic() > deadline:
             return samples
         time.sleep(0.5)
 

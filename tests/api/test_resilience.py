@@ -31,6 +31,8 @@ pytestmark = pytest.mark.slow
 
 POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
 FINISHED = ("completed", "failed", "cancelled", "expired")
+CHUNK_SIZE = 4
+LINES = 24  # six chunks: when the first has completed, three run and one waits in the queue
 
 
 @dataclass
@@ -132,7 +134,15 @@ def fragile_stack(
     database_url = postgres.admin_url  # the cluster is this module's alone: its default database will do
     db.upgrade(database_url)
     settings = replace(
-        service_settings, database_url=database_url, redis_url=redis.url, redis_prefix="conveyor:", api_port=free_port()
+        service_settings,
+        database_url=database_url,
+        redis_url=redis.url,
+        redis_prefix="conveyor:",
+        api_port=free_port(),
+        # Small chunks, four at a time (two chunk slots and two control threads): a batch of 24 lines has chunks
+        # running and queued across the outage, with a quarter of the generation work of six chunks of sixteen.
+        chunk_size=CHUNK_SIZE,
+        worker_concurrency=2,
     )
     with running_stack(settings, tmp_path_factory.mktemp("resilience")) as stack:
         yield stack
@@ -154,13 +164,13 @@ def wait_through_outages(client: openai.OpenAI, batch_id: str, timeout_s: float 
 
 def run_batch_across(stack: Stack, name: str, restart: Callable[[float], None], outage_s: float = 3.0) -> None:
     client = client_for(stack, stack.new_key(name))
-    # Six chunks: the worker runs several at once, so with fewer the last one can finish with the first, before the
-    # outage (48 lines failed so in a full run).
-    data, good_ids = completion_file(name, 96)
+    # Six chunks, four run at once: the outage comes after the first and before the last (48 lines in three chunks
+    # that all ran at once could finish together before it, as they once did in a full run).
+    data, good_ids = completion_file(name, LINES)
     upload = client.files.create(file=(f"{name}.jsonl", data), purpose="batch")
     batch = client.batches.create(input_file_id=upload.id, endpoint=COMPLETIONS, completion_window="24h")
     deadline = time.monotonic() + 180
-    while (current := client.batches.retrieve(batch.id)).request_counts is None or current.request_counts.completed < 16:
+    while (current := client.batches.retrieve(batch.id)).request_counts is None or current.request_counts.completed < CHUNK_SIZE:
         assert current.status in ("validating", "in_progress") and time.monotonic() < deadline, current
         time.sleep(0.2)
     assert current.status == "in_progress"

@@ -4,6 +4,7 @@ real SmolLM2 engine, the real embedding model, Redis stop flags and S3, and no p
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 import json
 import secrets
@@ -16,10 +17,14 @@ import pytest
 from redis import Redis
 
 from engine.admission import EngineFailed
+from engine.detokenizer import IncrementalDetokenizer
 from engine.embedder import Embedder
 from engine.engine_loop import EngineLoop, RequestHandle
 from engine.llm_engine import LLMEngine
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
+from engine.outputs import RequestOutput
+from engine.request_state import Request
+from engine.sequence import Sequence
 from engine.tensor_parallel import RankFailure
 from jobs.lazy_embedder import LazyEmbedder
 from jobs.models import Batch
@@ -90,6 +95,39 @@ def test_generation_answers_every_line(engine: EngineHandle, stop_flags: StopFla
     assert [choice["index"] for choice in two_prompts["choices"]] == [0, 1]
     assert two_prompts["usage"]["completion_tokens"] == 6
 
+
+PER_REQUEST = (Sequence, Request, IncrementalDetokenizer, RequestHandle, RequestOutput)
+
+
+def live_per_request_objects() -> dict[str, int]:
+    gc.collect()
+    found: dict[str, int] = {}
+    for thing in gc.get_objects():
+        if type(thing) in PER_REQUEST:  # not isinstance: some of torch's module objects warn when asked
+            found[type(thing).__name__] = found.get(type(thing).__name__, 0) + 1
+    return found
+
+
+def test_a_finished_chunk_leaves_no_request_state_behind(
+    engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore
+) -> None:
+    """Worker memory (issue 32): a chunk's sequences, requests, detokenizers, handles and outputs are freed when it
+    ends, chunk after chunk, so a worker's Python heap does not grow with the requests it has served (what it keeps
+    is the KV pool, bounded by the block manager, and malloc's free pages, trimmed after every chunk). One of a kind
+    may outlive its chunk until the next: the loop thread's last command (a handle and its output) and the
+    scheduler's last head of the queue (a sequence)."""
+    kind = GenerationKind(engine, object_store, stop_flags, per_chunk=8, limits=LIMITS)
+    body = {"model": DEFAULT_MODEL, "max_tokens": 2, "temperature": 0.5, "n": 2, "logprobs": True}
+    for repeat in range(2):
+        lines = [
+            (number, line(f"r{repeat}-{number}", "/v1/chat/completions",
+                          {**body, "messages": [{"role": "user", "content": f"Count to {number} ({repeat})."}]}))
+            for number in range(1, 5)
+        ]
+        result = kind.run_chunk(batch("/v1/chat/completions"), 0, lines)
+        assert (result.completed, result.failed) == (4, 0), result.errors
+        left = live_per_request_objects()  # a leak would keep a chunk's 4 requests' (8 sequences') worth
+        assert all(count <= 1 for count in left.values()), f"after chunk {repeat + 1}: {left}"
 
 def test_generation_checks_lines_for_validate(engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore) -> None:
     lines = GenerationKind(engine, object_store, stop_flags, per_chunk=10, limits=LIMITS).input_lines(batch("/v1/completions"))
