@@ -187,9 +187,13 @@ class BatchLineValidator:
             raise LineRejected("invalid_parameter", str(invalid)) from None
         if self._limits is not None:
             try:
-                params = admit(longest, params, self._limits)
+                admitted = admit(longest, params, self._limits)
             except AdmissionRefused as refused:
                 raise LineRejected("request_too_large", str(refused)) from None
+            # An image line's max_tokens is resolved on its prompt with the images' placeholders, once they are known
+            # (jobs.images.engine_prompt): resolved on its text alone, it would be more than the context leaves.
+            if generation.images is None:
+                params = admitted
         return BatchRequest(
             custom_id,
             url,
