@@ -155,7 +155,12 @@ def _run(args: argparse.Namespace) -> int:
             output_path,
             llm,
             progress=request_progress(mode),
-            models=ModelNames(process_models([llm.model_name], args.embedding_model, list(adapters)), aliases),
+            models=ModelNames(
+                process_models(
+                    [llm.model_name], args.embedding_model, list(adapters), accepts_images=llm.engine.accepts_images
+                ),
+                aliases,
+            ),
             make_embedder=lambda: Embedder(args.embedding_model, dtype=args.dtype, device=args.device),
         )
     finally:

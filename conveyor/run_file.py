@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jobs.images.engine_prompt import PlacedLine, place_line
 from jobs.images.inputs import ImageLimits
 from jobs.images.prefetch import ImagePrefetch, settle_images
 from jobs.images.sources import ImageSources
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
     from engine import LLM
+    from engine.multimodal.inputs import PlacedImage
+    from engine.sampling_params import SamplingParams
 
 READ_BLOCK_BYTES = 1024 * 1024
 
@@ -58,7 +61,8 @@ def run_batch_file(
     are embedded together, in one call of the model `make_embedder()` builds, only if the file has some. A line's
     `model` must be one of `models` (else its line fails with model_not_found). `progress`: `LLM.generate`'s `use_tqdm`.
     Image lines are read (`data:` and public `https://` images, within the default `jobs.images.inputs.ImageLimits`;
-    `s3://` ones need the service's store) and then fail: the engine here reads text only (`model_not_multimodal`).
+    `s3://` ones need the service's store) and run with the text lines when `llm` reads images (a vision-language
+    model; `models` says so), else fail with `model_not_multimodal`. Their usage counts their images' placeholders.
     """
     validator = BatchLineValidator(
         llm.tokenizer, llm.max_model_len, models=models, limits=llm.engine.admission_limits
@@ -71,34 +75,45 @@ def run_batch_file(
             if line is None or line.strip()
         ]
 
-    # Image lines are read on their own threads while the engine runs the text lines; each then fails with its image's
-    # code, or with model_not_multimodal: the engine of `conveyor run` reads text only. s3:// images need the service.
+    # Image lines are read on their own threads while the embedder runs; then each is rendered with its images and
+    # placed (or fails with its own code), and joins the text lines in the engine's one generate call. Every image
+    # line's pixels are held until that call ends (~1.35 MB an image for LLaVA-1.5): `conveyor run` is for files that
+    # fit in memory; the service bounds them per chunk (CONVEYOR_IMAGE_LINES_IN_FLIGHT). s3:// images need the service.
+    placed: dict[int, PlacedLine] = {}
     with ImagePrefetch(ImageSources(ImageLimits(), AllowList(frozenset(), ()))) as prefetch:
         images = {
             index: prefetch.submit(item.images)
             for index, item in enumerate(checked)
             if isinstance(item, BatchRequest) and item.images is not None
         }
-        requests = [item for index, item in enumerate(checked) if isinstance(item, BatchRequest) and index not in images]
         embedding_requests = [item for item in checked if isinstance(item, EmbeddingRequest)]
         # One embedder call for the whole file as well: its packing by token budget spans lines.
         embedded_in_order = iter(embedding_records(embedding_requests, make_embedder()) if embedding_requests else [])
-        # One generate call for the whole file, so the engine batches continuously across every request.
-        results = (
-            llm.generate(
-                [prompt for request in requests for prompt in request.prompts],
-                [request.sampling_params for request in requests for _ in request.prompts],
-                use_tqdm=progress,
-            )
-            if requests
-            else []
-        )
         for index, pending in images.items():
             request = checked[index]
             assert isinstance(request, BatchRequest)
             settled = settle_images(request.custom_id, pending, request.sampling_params.adapter or llm.model_name, models)
-            assert isinstance(settled, LineError), "`models` lists what `llm` reads: text only, for `LLM.generate`"
-            checked[index] = settled
+            line = (
+                settled
+                if isinstance(settled, LineError)
+                else place_line(request, settled, llm.tokenizer, llm.engine, llm.engine.admission_limits)
+            )
+            if isinstance(line, LineError):
+                checked[index] = line
+            else:
+                placed[index] = line
+    requests = [(index, item) for index, item in enumerate(checked) if isinstance(item, BatchRequest)]
+    # One generate call for the whole file, so the engine batches continuously across every request.
+    results = (
+        llm.generate(
+            [prompt for index, request in requests for prompt in _prompts(request, placed.get(index))],
+            [_params(request, placed.get(index)) for index, request in requests for _ in request.prompts],
+            use_tqdm=progress,
+            images=[_images(placed.get(index)) for index, request in requests for _ in request.prompts],
+        )
+        if requests
+        else []
+    )
     results_in_order = iter(results)
 
     records = [
@@ -118,6 +133,18 @@ def run_batch_file(
         for record in records:
             sink.write(record.model_dump_json() + "\n")
     return _summarize(records)
+
+
+def _prompts(request: BatchRequest, line: PlacedLine | None) -> list[list[int]]:
+    return request.prompts if line is None else [line.prompt_token_ids]
+
+
+def _params(request: BatchRequest, line: PlacedLine | None) -> SamplingParams:
+    return request.sampling_params if line is None else line.params
+
+
+def _images(line: PlacedLine | None) -> tuple[PlacedImage, ...]:
+    return () if line is None else line.images
 
 
 def _too_long(line_number: int) -> LineError:

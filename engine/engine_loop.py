@@ -151,7 +151,7 @@ class EngineLoop:
         request_id: str | None = None,
         priority: int = 0,
         stream: bool = False,
-        images: tuple[ImageInput, ...] = (),
+        images: tuple[ImageInput | PlacedImage, ...] = (),
     ) -> RequestHandle:
         """Queue a request; `images` as LLMEngine.add_request takes them, preprocessed here on the caller's thread
         (never on the loop's, which would stall every other request's step). A request that cannot run fails its own

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from engine.llm_engine import LLMEngine
 from engine.model_registry import DEFAULT_MODEL
-from engine.multimodal.inputs import ImageInput
+from engine.multimodal.inputs import ImageInput, PlacedImage
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -56,7 +56,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         priority: Sequence[int] | None = None,
-        images: Sequence[Sequence[ImageInput]] | None = None,
+        images: Sequence[Sequence[ImageInput | PlacedImage]] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. `use_tqdm`: a progress bar on stderr
         (requests done, output tokens/s, ETA), or a tqdm subclass (or factory) to show it some other way. `images`:

@@ -212,6 +212,11 @@ class Settings(BaseSettings):
     image_fetch_threads: Annotated[int, Integer] = Field(
         ImageLimits.fetch_threads, description="images fetched and decoded at once per running chunk"
     )
+    image_lines_in_flight: Annotated[int, Integer] = Field(
+        ImageLimits.lines_in_flight,
+        description="image lines of one running chunk fetched, decoded or in the engine at once (each holds its "
+        "images' pixels, ~1.35 MB an image for LLaVA-1.5); the chunk's other image lines wait their turn",
+    )
     image_allowed_hosts: str = Field(
         "",
         description="comma-separated hostnames, IPs and CIDRs that image URLs may name although they are not "
@@ -258,6 +263,7 @@ class Settings(BaseSettings):
             "image_max_pixels",
             "image_max_per_line",
             "image_fetch_threads",
+            "image_lines_in_flight",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"CONVEYOR_{name.upper()} must be >= 1, got {getattr(self, name)}")
@@ -283,6 +289,7 @@ class Settings(BaseSettings):
             max_per_line=self.image_max_per_line,
             fetch_timeout_seconds=self.image_fetch_timeout_seconds,
             fetch_threads=self.image_fetch_threads,
+            lines_in_flight=self.image_lines_in_flight,
         )
 
     def message_batch_limits(self) -> MessageBatchLimits:

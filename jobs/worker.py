@@ -95,7 +95,9 @@ def build_pipeline(settings: Settings, loop: EngineLoop) -> Pipeline:
     store.ensure_bucket()
     redis = Redis.from_url(settings.redis_url)
     stop_flags = StopFlags(redis, settings.redis_prefix)
-    models = worker_models(settings, engine.model_name, engine.adapter_names, redis, generation_metadata(engine))
+    models = worker_models(
+        settings, engine.model_name, engine.adapter_names, redis, generation_metadata(engine), engine.accepts_images
+    )
     engine_handle = EngineHandle(
         loop=loop,
         tokenizer=engine.tokenizer,
@@ -146,10 +148,12 @@ def worker_models(
     engine_adapters: list[str],
     redis: Redis,
     metadata: dict[str, Any] | None = None,
+    accepts_images: bool = False,
 ) -> WorkerModels:
+    """accepts_images: whether the engine reads images (a vision-language model); announced in /v1/models."""
     names = parse_names(settings.served_model_names) or [engine_model_name]
     return WorkerModels(
-        process_models(names, settings.embedding_model, list(engine_adapters), metadata),
+        process_models(names, settings.embedding_model, list(engine_adapters), metadata, accepts_images=accepts_images),
         ModelRegistry(redis, settings.redis_prefix, settings.model_announce_ttl_seconds),
         parse_aliases(settings.model_aliases),
     )

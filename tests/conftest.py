@@ -92,6 +92,14 @@ def smollm2_folder() -> Path:
     return source.path
 
 
+@pytest.fixture(scope="session")
+def llava_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaVA-1.5 folder saved by transformers (tests/vision_models.py), built once per session."""
+    from tests.vision_models import make_llava
+
+    return make_llava(tmp_path_factory.mktemp("llava"))
+
+
 def hf_smollm2(dtype: torch.dtype = torch.float32):
     """transformers' SmolLM2, read from the bundled GGUF file itself (dequantized by gguf-py to `dtype`): the
     oracle of the engine's runs of it (the converted folder keeps quantized blocks only this engine reads)."""

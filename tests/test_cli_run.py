@@ -315,3 +315,67 @@ def test_run_refuses_a_bad_adapter_before_reading_lines(tmp_path: Path, capsys: 
                       "--lora-adapter", f"x={tmp_path / 'not-an-adapter'}"])
     assert exit_code != 0
     assert "not a PEFT LoRA adapter folder" in capsys.readouterr().err
+
+
+def png_data_url(picture: Any, truncate: bool = False) -> str:
+    out = io.BytesIO()
+    picture.save(out, format="PNG")
+    data = out.getvalue()[: 60 if truncate else None]
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.slow
+def test_run_answers_image_lines_with_a_vision_model(tmp_path: Path, llava_folder: Path) -> None:
+    """Image lines on a tiny LLaVA-1.5 folder, mixed with text lines: each answers as transformers' `generate` with
+    the folder's processor does, token for token, its usage counts the images' placeholder tokens, sampling fields
+    (logprobs, n, min_tokens) hold as on text lines, and a corrupt image fails its line alone."""
+    import torch
+    import transformers
+
+    from tests.vision_models import image
+
+    chat = "/v1/chat/completions"
+    one, two, three = image(1, 40, 33), image(2, 25, 60), image(3, 90, 31)
+    greedy = {"temperature": 0, "max_tokens": 6, "min_tokens": 6, "logprobs": True, "top_logprobs": 2}
+
+    def picture_line(custom_id: str, text: str, pictures: list[Any], **extra: Any) -> str:
+        parts = [{"type": "text", "text": text}] + [
+            {"type": "image_url", "image_url": {"url": png_data_url(p)}} for p in pictures
+        ]
+        return request_line(custom_id, chat, {"messages": [{"role": "user", "content": parts}], **greedy, **extra})
+
+    lines = [
+        picture_line("one", "describe this picture", [one]),
+        request_line("text", chat, {"messages": [{"role": "user", "content": "hello there"}], **greedy}),
+        picture_line("two", "compare the two pictures", [two, three], n=2),
+        request_line("corrupt", chat, {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": png_data_url(one, truncate=True)}}]}]}),
+        picture_line("other", "describe this picture", [three]),
+    ]
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+
+    assert main(["run", "-i", str(source), "-o", str(results), "--model", str(llava_folder), "--dtype", "float32"]) == 0
+    by_id = {record["custom_id"]: record for record in map(json.loads, results.read_text().splitlines())}
+
+    assert by_id["corrupt"]["error"]["code"] == "image_unreadable"
+    processor = transformers.AutoProcessor.from_pretrained(llava_folder)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(llava_folder, dtype=torch.float32).eval()
+    answers = {}
+    for custom_id, text, pictures in [
+        ("one", "describe this picture", [one]), ("two", "compare the two pictures", [two, three]),
+        ("text", "hello there", []), ("other", "describe this picture", [three]),
+    ]:
+        parts = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": text}]
+        prompt = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+        inputs = processor(images=pictures or None, text=prompt, return_tensors="pt")
+        output = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        expected = processor.tokenizer.convert_ids_to_tokens(output[0, inputs["input_ids"].shape[1]:].tolist())
+        body = by_id[custom_id]["response"]["body"]
+        assert body["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1], custom_id  # with the placeholders
+        for choice in body["choices"]:
+            assert [entry["token"] for entry in choice["logprobs"]["content"]] == expected, custom_id
+            assert all(len(entry["top_logprobs"]) == 2 for entry in choice["logprobs"]["content"])
+        answers[custom_id] = expected
+    assert len(by_id["two"]["response"]["body"]["choices"]) == 2
+    assert answers["one"] != answers["other"], "the tiny model should tell the images apart"

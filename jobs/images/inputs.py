@@ -39,6 +39,9 @@ class ImageLimits:
     max_per_line: int = 16  # image parts in one line
     fetch_timeout_seconds: float = 10.0  # the whole fetch of one URL: connection, redirects and body
     fetch_threads: int = 8  # images fetched and decoded at once per chunk
+    # Image lines of one chunk fetched, decoded or in the engine at once: each holds its decoded images and, queued in
+    # the engine, its preprocessed pixels (LLaVA-1.5: 3 x 336 x 336 float32, ~1.35 MB an image) until it finishes
+    lines_in_flight: int = 64
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ line runs, not in validate.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -79,10 +80,28 @@ class LineError:
     message: str
 
 
-def _template_content(parts: list[ContentPart], with_images: bool) -> str | list[dict[str, str]]:
-    if not with_images:
-        return "\n".join(part.text for part in parts if isinstance(part, TextPart))
-    return [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"} for part in parts]
+def _template_content(
+    content: str | list[ContentPart], with_images: bool, as_parts: bool
+) -> str | list[dict[str, str]]:
+    """A message's content as the template is given it: its texts joined, or (`as_parts`) transformers' list of parts,
+    with each image part `{"type": "image"}` when `with_images`."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if as_parts else content
+    if with_images:
+        return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in content]
+    if as_parts:
+        return [{"type": "text", "text": part.text} for part in content if isinstance(part, TextPart)]
+    return "\n".join(part.text for part in content if isinstance(part, TextPart))
+
+
+# A template that loops over a message's content and never asks whether it is a string reads parts only (LLaVA-1.5's
+# processors' template): a string would render as no text at all. vLLM detects the same ("openai" content format).
+_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+message\s*(\[\s*['\"]content['\"]\s*\]|\.content)")
+
+
+def reads_parts_only(template: str | None) -> bool:
+    """Whether the chat template takes a message's content only as a list of parts."""
+    return template is not None and bool(_CONTENT_LOOP.search(template)) and "is string" not in template
 
 
 class BatchLineValidator:
@@ -117,6 +136,7 @@ class BatchLineValidator:
         self._image_limits = image_limits
         # The template's own tool-call syntax, None for the generic format (which writes Hermes' syntax)
         self._call_syntax = detect_call_syntax(tokenizer.chat_template)
+        self._parts_only = reads_parts_only(tokenizer.chat_template)
         self._seen_custom_ids: set[str] = set()
 
     def validate(self, line: str | bytes) -> BatchRequest | EmbeddingRequest | LineError:
@@ -187,9 +207,13 @@ class BatchLineValidator:
             raise LineRejected("invalid_parameter", str(invalid)) from None
         if self._limits is not None:
             try:
-                params = admit(longest, params, self._limits)
+                admitted = admit(longest, params, self._limits)
             except AdmissionRefused as refused:
                 raise LineRejected("request_too_large", str(refused)) from None
+            # An image line's max_tokens is resolved on its prompt with the images' placeholders, once they are known
+            # (jobs.images.engine_prompt): resolved on its text alone, it would be more than the context leaves.
+            if generation.images is None:
+                params = admitted
         return BatchRequest(
             custom_id,
             url,
@@ -289,12 +313,17 @@ class BatchLineValidator:
         means what "system" always meant. A message's `name` goes to the template too: templates that have a place
         for it (e.g. Llama 3's tool turns, some Mistral ones) use it, the rest leave it out, as with OpenAI's own
         models. A message of parts is its texts joined, or `with_images`, transformers' multimodal content list,
-        each image part `{"type": "image"}`."""
+        each image part `{"type": "image"}`; a template that reads parts only (`reads_parts_only`) gets every
+        message's content as parts, a string as one text part."""
         conversation = [
             {
                 **message.model_dump(exclude_none=True),
                 "role": "system" if message.role == "developer" else message.role,
-                **({"content": _template_content(message.content, with_images)} if isinstance(message.content, list) else {}),
+                **(
+                    {"content": _template_content(message.content, with_images, self._parts_only)}
+                    if isinstance(message.content, list) or (self._parts_only and isinstance(message.content, str))
+                    else {}
+                ),
             }
             for message in messages
         ]

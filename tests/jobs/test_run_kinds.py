@@ -190,7 +190,7 @@ def test_a_stop_does_not_wait_for_the_engine_step_in_progress(
 class FailedEngineLoop:
     """An EngineLoop whose engine failed while the chunk's requests ran: each fails with the engine's error."""
 
-    def submit(self, prompt_token_ids, params, request_id=None, priority=0, stream=False) -> RequestHandle:
+    def submit(self, prompt_token_ids, params, request_id=None, priority=0, stream=False, images=()) -> RequestHandle:
         handle = RequestHandle(request_id, stream)
         handle._fail(RankFailure("a tensor-parallel step failed: tensor-parallel rank 1 (pid 4242) exited with code -9"))
         return handle
@@ -297,3 +297,58 @@ def test_rag_lines_are_documents_of_the_projects_inbox(engine: EngineHandle, sto
     for number, refused in enumerate([b'{"id": "d4", "uri": "http://example.com/a"}', b'{"id": "d5", "uri": "file:///etc/passwd"}'], 5):
         record = json.loads(cast(RejectedLine, lines.check(number, refused)).record)
         assert (record["doc_id"], record["error"]["code"]) == (f"d{number - 1}", "invalid_document")
+
+
+def test_image_lines_run_on_a_vision_model_a_window_at_a_time(
+    llava_folder: Any, stop_flags: StopFlags, object_store: ObjectStore
+) -> None:
+    """A worker whose engine reads images (a tiny LLaVA-1.5) runs a chunk's image lines beside its text lines, one
+    image line in flight at a time (`lines_in_flight=1`): the same image and text answer alike, another image
+    otherwise, and usage counts each image's 16 placeholders. A batch stopped while image lines wait their turn
+    answers the waiting ones as expired, never submitted."""
+    import base64
+
+    from jobs.images.inputs import ImageLimits
+    from tests.vision_models import image
+
+    def data_url(seed: int) -> str:
+        out = io.BytesIO()
+        image(seed, 40, 33).save(out, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+    def image_line(custom_id: str, seed: int) -> bytes:
+        content = [{"type": "text", "text": "describe this picture"}, {"type": "image_url", "image_url": {"url": data_url(seed)}}]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "min_tokens": 4, "temperature": 0}
+        return line(custom_id, "/v1/chat/completions", body)
+
+    loop = EngineLoop.build(lambda: LLMEngine(str(llava_folder), dtype="float32", device="cpu"))
+    try:
+        assert loop.engine.tokenizer is not None and loop.engine.accepts_images
+        served = ModelNames(process_models([loop.engine.model_name], DEFAULT_EMBEDDING_MODEL, accepts_images=True), {})
+        handle = EngineHandle(
+            loop, loop.engine.tokenizer, loop.engine.max_model_len, loop.engine.model_name, served,
+            loop.engine.admission_limits,
+        )
+        kind = GenerationKind(
+            handle, object_store, stop_flags, per_chunk=10, limits=LIMITS, image_limits=ImageLimits(lines_in_flight=1)
+        )
+        said = {"messages": [{"role": "user", "content": "describe this picture"}], "max_tokens": 4}
+        text = line("text", "/v1/chat/completions", said)
+        lines = [(1, image_line("a", 1)), (2, text), (3, image_line("b", 2)), (4, image_line("a-again", 1))]
+        job = batch("/v1/chat/completions")
+        result = kind.run_chunk(job, 0, lines)
+        assert (result.completed, result.failed) == (4, 0), result.errors
+        bodies = {record["custom_id"]: record["response"]["body"] for record in jsonl(result.output)}
+        answer = {custom_id: body["choices"][0]["message"]["content"] for custom_id, body in bodies.items()}
+        assert answer["a"] == answer["a-again"] != answer["b"]
+        text_prompt = bodies["text"]["usage"]["prompt_tokens"]
+        assert bodies["a"]["usage"]["prompt_tokens"] == text_prompt + 16  # the same words and the image's placeholders
+
+        stopped = batch("/v1/chat/completions")
+        stop_flags.raise_flag(stopped.id, StopReason.expired)
+        result = kind.run_chunk(stopped, 0, lines)
+        expired = {record["custom_id"]: record["error"]["code"] for record in jsonl(result.errors)}
+        assert set(expired.values()) == {"batch_expired"} and {"b", "a-again"} <= set(expired)  # never submitted
+        assert result.completed + result.failed == 4  # "a" and "text" may finish before the flag is read
+    finally:
+        loop.stop()
