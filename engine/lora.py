@@ -31,7 +31,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.llama import MLP, LlamaForCausalLM
-from kernels.lora import lora_add
+from kernels.lora import load_lora_cpu_kernels, lora_add, lora_add_cpu
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -161,12 +161,17 @@ class _SlotProjection:
         # `b` is the [slots, out, width] view the kernel reads
         self.b_t = torch.zeros(num_slots, self.width, module.out_features, dtype=dtype, device=device)
         self.b = self.b_t.permute(0, 2, 1)
+        # Which rank rows each slot's adapter fills (its rank, its targeted parts): the C++ kernel skips the others
+        self.used = torch.zeros(num_slots, self.width, dtype=torch.bool, device=device)
+        # Each part's first output column, and the end: part p's rank rows expand into its columns only
+        self.part_starts = [sum(part_sizes[:index]) for index in range(len(part_sizes) + 1)]
         # Each column of the stacked shrink output -> its slot, for the all-slots path's mask
         self.slot_of_column = torch.arange(num_slots, device=device).repeat_interleave(self.width)
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.used[slot] = False
         out_start = 0
         for index, (part, size) in enumerate(zip(self.parts, self.part_sizes)):
             pair = adapter.weights.get((layer, part))
@@ -175,6 +180,7 @@ class _SlotProjection:
                 column = index * self.max_rank
                 self.a[slot, column : column + adapter.rank] = a
                 self.b[slot, out_start : out_start + size, column : column + adapter.rank] = b * adapter.scale
+                self.used[slot, column : column + adapter.rank] = True
             out_start += size
 
 
@@ -184,6 +190,11 @@ class LoRASlotWeights:
     def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int, use_triton: bool) -> None:
         parameter = next(model.parameters())
         self.use_triton = use_triton
+        # The C++ kernel where the model runs its CPU kernels (float32, bfloat16) and it builds; else the torch path
+        self.use_cpu_kernel = (
+            not use_triton and model.kernels == "cpu" and parameter.dtype in (torch.float32, torch.bfloat16)
+            and load_lora_cpu_kernels() is not None
+        )
         self._projections: list[tuple[int, _SlotProjection]] = []
         self._rows: _StepRows | None = None
         self._offsets: dict[int, int] = {}  # per projection: rows already seen this step (a CPU MLP runs in slices)
@@ -213,8 +224,9 @@ class LoRASlotWeights:
         for row, slot in enumerate(token_slots):
             if slot >= 0:
                 by_slot.setdefault(slot, []).append(row)
-        all_slots = not self.use_triton and len(token_slots) <= _CPU_ALL_SLOTS_MAX_ROWS
-        groups = [] if self.use_triton or all_slots else [
+        per_row = self.use_triton or self.use_cpu_kernel  # kernels that take each row's slot as it is
+        all_slots = not per_row and len(token_slots) <= _CPU_ALL_SLOTS_MAX_ROWS
+        groups = [] if per_row or all_slots else [
             (slot, torch.tensor(rows, dtype=torch.int64, device=device)) for slot, rows in by_slot.items()
         ]
         slot_of_row = torch.tensor(token_slots, device=device).unsqueeze(1) if all_slots else None
@@ -238,6 +250,10 @@ class LoRASlotWeights:
             self._offsets[id(projection)] = (start + x.shape[0]) % total
             if self.use_triton:
                 lora_add(x, projection.a, projection.b, rows.token_slots[start : start + x.shape[0]], output)
+                return
+            if self.use_cpu_kernel:
+                lora_add_cpu(x, projection.a, projection.b_t, rows.token_slots[start : start + x.shape[0]],
+                             projection.used, projection.part_starts, output)
                 return
             if rows.slot_of_row is not None:  # the first `spanned` slots at once, each row masked to its own
                 columns = rows.spanned * projection.width
