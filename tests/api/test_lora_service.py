@@ -6,12 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from jobs.settings import Settings, replace
 from tests.api.test_batch_service import chat_line, client_for, jsonl, read_jsonl, wait_for
 from tests.stack_fixtures import running_stack
-from tests.conftest import hf_smollm2
+from tests.lora_adapters import save_smollm2_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +20,7 @@ BASE = "smollm2-135m-instruct"
 def test_a_batch_mixes_the_base_model_and_its_adapters(
     private_stack_settings: Settings, tmp_path: Path
 ) -> None:
-    import peft
-
-    for name, seed in (("tone", 0), ("extract", 1)):
-        torch.manual_seed(seed)
-        model = hf_smollm2()
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        peft.get_peft_model(model, config).save_pretrained(tmp_path / name)
+    save_smollm2_adapters(tmp_path, ["tone", "extract"], ["q_proj", "v_proj"])
     settings = replace(
         private_stack_settings,
         lora_adapters=f"tone={tmp_path / 'tone'},extract={tmp_path / 'extract'}",
