@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_loras=max(ADAPTER_COUNTS),
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, enable_lora=True, max_loras=max(ADAPTER_COUNTS),
               max_lora_rank=args.rank, enable_prefix_caching=False, max_num_seqs=args.lines)
     with tempfile.TemporaryDirectory() as scratch:
         for index in range(max(ADAPTER_COUNTS)):

@@ -65,7 +65,8 @@ def build_engine(settings: Settings) -> EngineLoop:
     adapters = parse_lora_adapters(settings.lora_adapters)
 
     def engine_with_adapters() -> LLMEngine:
-        engine = LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options)
+        options = {**settings.engine_options, **({"enable_lora": True} if adapters else {})}
+        engine = LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **options)
         for name, folder in adapters.items():
             engine.add_lora(name, folder)
         return engine
