@@ -132,17 +132,14 @@ class LLMEngine:
                 "LoRA adapters need an engine built with enable_lora=True (its adapter slots are allocated at start, "
                 "inside the memory budget)"
             )
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are not supported with tensor parallelism yet (tensor_parallel_size > 1)")
         if name in self.adapter_names:
             raise ValueError(f"adapter {name!r} is already registered")
         adapter = load_adapter(name, folder, self.model_config, self.config.max_lora_rank)
-        assert isinstance(self.runner, ModelRunner)
         self.runner.register_adapter(adapter)
 
     @property
     def adapter_names(self) -> list[str]:
-        return list(self.runner.adapters) if isinstance(self.runner, ModelRunner) else []
+        return list(self.runner.adapters)
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -8,13 +8,16 @@ PEFT computes `base(x) + B(A(x)) * scale`, scale = lora_alpha / r, or lora_alpha
 The base model fuses q/k/v and gate/up into one projection each; an adapter's parts of a fused projection share one
 shrink (their A stacked, [parts * R, in]) and one expand (their B placed block-diagonally, [out, parts * R]),
 so each projection costs two grouped matmuls per step whatever the targets. Ranks below `max_lora_rank` and
-projections an adapter does not target are zero-padded. The term is added by a forward hook on the four
-projections of each layer, so the model code is unchanged: the hook reads the step's row -> slot map the runner
-set (`begin_step`). On CUDA the Triton kernel (kernels/lora.py) handles any mix of rows in two launches. On CPU a
-step of few rows (decode) runs its slots at once, a few ops whatever the mix: x times the slots' A stacked, masked to
-each row's own slot's columns, times their B stacked (reading each present slot's weights, which a decode step is
-bound by anyway; slots fill from 0, so the stack is the slots up to the highest in use); a larger step groups its rows by slot, one pair of matmuls per adapter present, so its arithmetic
-does not grow with the slots (measured on SmolLM2's q/k/v at 32 rows, 4 adapters: about 1.5x faster than grouping).
+projections an adapter does not target are zero-padded. The term is added by the projections themselves
+(`QuantizableLinear.adapter_term`, set here on the four projections of each layer; in a row-parallel one before the
+all-reduce), reading the step's row -> slot map the runner set (`begin_step`). On CUDA the Triton kernel
+(kernels/lora.py) handles any mix of rows in two launches; on the CPU the C++ kernel (kernels/lora_cpu.cpp) in one
+call, one pass per row over its own slot's weights, skipping the zero padding and the zero blocks of B, so its cost
+does not grow with the adapters present (SmolLM2's layers, 32 decode rows: see bench/lora.py). Without the C++
+kernels (cpu_kernels=False, or no compiler) the torch path: a step of few rows (decode) runs its slots at once, x
+times the slots' A stacked, masked to each row's own slot's columns, times their B stacked (slots fill from 0, so the
+stack is the slots up to the highest in use); a larger step groups its rows by slot, one pair of matmuls per
+adapter present.
 """
 
 from __future__ import annotations
@@ -22,15 +25,16 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.llama import MLP, LlamaForCausalLM
+from engine.parallel_layers import ColumnParallelLinear, QuantizableLinear, RowParallelLinear
 from kernels.lora import load_lora_cpu_kernels, lora_add, lora_add_cpu
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -150,11 +154,17 @@ class _StepRows:
 
 
 class _SlotProjection:
-    """One fused projection's adapter slots: A [slots, parts * R, in], B [slots, out, parts * R]."""
+    """One fused projection's adapter slots: A [slots, parts * R, in], B [slots, out, parts * R]. Under tensor
+    parallelism a slot holds this rank's shard, cut like the base layer's: a column-parallel projection's B keeps
+    this rank's output rows of each part, a row-parallel projection's A this rank's input columns (its term is then
+    a partial sum, added before the base's all-reduce)."""
 
-    def __init__(self, module: nn.Linear, parts: tuple[str, ...], part_sizes: list[int], num_slots: int,
+    def __init__(self, module: QuantizableLinear, parts: tuple[str, ...], part_sizes: list[int], num_slots: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.parts, self.part_sizes, self.max_rank = parts, part_sizes, max_rank
+        assert isinstance(module, ColumnParallelLinear | RowParallelLinear)
+        self.row_parallel = isinstance(module, RowParallelLinear)
+        self.rank, self.ranks = module.group.rank, module.group.size
         self.width = len(parts) * max_rank
         self.a = torch.zeros(num_slots, self.width, module.in_features, dtype=dtype, device=device)
         # B stored transposed, [slots, width, out], so the first k slots stacked are one [k * width, out] view;
@@ -177,6 +187,11 @@ class _SlotProjection:
             pair = adapter.weights.get((layer, part))
             if pair is not None:
                 a, b = pair
+                if self.row_parallel:  # this rank's input columns
+                    width = a.shape[1] // self.ranks
+                    a = a[:, self.rank * width : (self.rank + 1) * width]
+                else:  # this rank's output rows of the part
+                    b = b[self.rank * size : (self.rank + 1) * size]
                 column = index * self.max_rank
                 self.a[slot, column : column + adapter.rank] = a
                 self.b[slot, out_start : out_start + size, column : column + adapter.rank] = b * adapter.scale
@@ -185,7 +200,8 @@ class _SlotProjection:
 
 
 class LoRASlotWeights:
-    """The device's `num_slots` adapter slots over every layer of `model`, and the hooks that apply them."""
+    """The device's `num_slots` adapter slots over every layer of `model` (this rank's shard of each), and the terms
+    the projections add with them."""
 
     def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int, use_triton: bool) -> None:
         parameter = next(model.parameters())
@@ -207,7 +223,7 @@ class LoRASlotWeights:
                 sizes = list(module.local_part_sizes) if len(parts) > 1 else [module.out_features]
                 projection = _SlotProjection(module, parts, sizes, num_slots, max_rank, parameter.dtype, parameter.device)
                 self._projections.append((layer_index, projection))
-                module.register_forward_hook(self._hook(projection))
+                module.adapter_term = self._term(projection)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter` into `slot`, over whatever was there."""
@@ -239,12 +255,11 @@ class LoRASlotWeights:
     def end_step(self) -> None:
         self._rows = None
 
-    def _hook(self, projection: _SlotProjection):  # noqa: ANN202 (torch's hook signature)
-        def add_adapter_terms(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    def _term(self, projection: _SlotProjection) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        def add_adapter_terms(x: torch.Tensor, output: torch.Tensor) -> None:
             rows = self._rows
             if rows is None:
                 return
-            x = inputs[0]
             total = rows.token_slots.shape[0]
             start = self._offsets.get(id(projection), 0)
             self._offsets[id(projection)] = (start + x.shape[0]) % total

@@ -105,6 +105,21 @@ def test_interleaved_adapters_match_peft(lora_case, setup):
     assert stats.kv_blocks_used == 0 and stats.host_blocks_used == 0
 
 
+def test_tensor_parallel_adapters_match_peft(lora_case):
+    """Two ranks (gloo on CPU), each holding its shard of every adapter cut like the base layers (B's output rows of
+    q/k/v and gate/up; A's input columns of o and down, whose terms join the base's all-reduce): three prompts on
+    every variant, interleaved in one batch."""
+    _, _, prompts, expected = lora_case
+    llm = _engine(lora_case, tensor_parallel_size=2)
+    try:
+        lines = [(variant, prompt_index) for prompt_index in range(3) for variant in VARIANTS]
+        params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, adapter=v) for v, _ in lines]
+        outputs = llm.generate([prompts[i] for _, i in lines], params, use_tqdm=False)
+        assert [list(output.outputs[0].token_ids) for output in outputs] == [expected[v][i] for v, i in lines]
+    finally:
+        llm.engine.close()
+
+
 def test_adapter_lines_keep_sampling_fields(lora_case):
     """An adapter line takes what a base line takes: log-probs, min_tokens and n here (its samples fork the adapter's
     prompt blocks)."""
