@@ -1,5 +1,6 @@
-"""LoRA adapters through the service: a worker serving two adapters on its model (CONVEYOR_LORA_ADAPTERS), one batch
-file mixing base and adapter lines through the openai SDK, /v1/models listing the adapters with their parent."""
+"""LoRA adapters through the service: a worker serving two adapters on its model (CONVEYOR_LORA_ADAPTERS: one from the
+object store, one local), one batch file mixing base and adapter lines through the openai SDK, /v1/models listing the
+adapters with their parent."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from jobs.settings import Settings, replace
+from jobs.storage import ObjectStore
 from tests.api.test_batch_service import chat_line, client_for, jsonl, read_jsonl, wait_for
 from tests.stack_fixtures import running_stack
 from tests.lora_adapters import save_smollm2_adapters
@@ -20,10 +22,16 @@ BASE = "smollm2-135m-instruct"
 def test_a_batch_mixes_the_base_model_and_its_adapters(
     private_stack_settings: Settings, tmp_path: Path
 ) -> None:
-    save_smollm2_adapters(tmp_path, ["tone", "extract"], ["q_proj", "v_proj"])
+    folders = save_smollm2_adapters(tmp_path, ["tone", "extract"], ["q_proj", "v_proj"])
+    # "tone" from the object store (downloaded by the worker at start), "extract" from a local folder
+    s3 = private_stack_settings.s3
+    store = ObjectStore(s3)
+    for file in folders["tone"].iterdir():
+        store.put_bytes(f"lora-{tmp_path.name}/tone/{file.name}", file.read_bytes())
     settings = replace(
         private_stack_settings,
-        lora_adapters=f"tone={tmp_path / 'tone'},extract={tmp_path / 'extract'}",
+        lora_adapters=f"tone=s3://{s3.bucket}/{s3.prefix}lora-{tmp_path.name}/tone/,extract={folders['extract']}",
+        lora_adapter_cache_dir=str(tmp_path / "adapter-cache"),
         model_aliases="ft:smollm2:acme::extract=extract",
     )
     with running_stack(settings, tmp_path / "stack") as stack:
