@@ -61,3 +61,5 @@ def test_a_batch_mixes_the_base_model_and_its_adapters(
         assert texts["tone"] != texts["base"] and texts["aliased"] != texts["base"]
         errors = read_jsonl(client, done.error_file_id)
         assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("unknown", "model_not_found")]
+    # the worker read "tone" from its download in the cache folder set
+    assert [path.parent.name for path in (tmp_path / "adapter-cache").rglob("adapter_config.json")] == ["tone"]
