@@ -129,6 +129,7 @@ def _run(args: argparse.Namespace) -> int:
             ("kv_cache_dtype", args.kv_cache_dtype),
             ("tensor_parallel_size", args.tensor_parallel_size),
             ("quantization", args.quantization),
+            ("enable_lora", True if adapters else None),
         )
         if value is not None
     }

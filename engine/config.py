@@ -501,8 +501,10 @@ class EngineConfig:
     # blocks' K/V once together where that saves reading at least this many tokens' K/V; 0: never
     shared_prefix_min_saved_tokens: int = 2048
     kernel_backend: KernelBackendChoice = "auto"  # "auto": Triton on CUDA, torch on CPU; or "torch" / "triton" to force one
-    # LoRA adapters (engine/lora.py): device slots for adapters resident at once (the most distinct adapters one
-    # step computes; idle ones are evicted least recently used), allocated with the first registered adapter
+    # LoRA adapters (engine/lora.py): enable_lora allocates the device's adapter slots at start, before the KV cache
+    # is sized (on CUDA they count inside gpu_memory_utilization); add_lora needs it. max_loras: slots for adapters
+    # resident at once (the most distinct adapters one step computes; idle ones are evicted least recently used)
+    enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16  # largest adapter rank (r) accepted; every slot is sized for it
     cuda_graph_max_batch_size: int = 256  # decode steps of up to this many sequences replay CUDA graphs; 0: eager

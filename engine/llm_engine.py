@@ -139,17 +139,19 @@ class LLMEngine:
         """Register the PEFT LoRA adapter in `folder` as `name`, for requests to name in SamplingParams.adapter. Its
         weights are read and checked now (ValueError naming what does not fit this model), once; they are copied
         into one of the `max_loras` device slots when a request needs them."""
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are not supported with tensor parallelism yet (tensor_parallel_size > 1)")
+        if not self.config.enable_lora:
+            raise ValueError(
+                "LoRA adapters need an engine built with enable_lora=True (its adapter slots are allocated at start, "
+                "inside the memory budget)"
+            )
         if name in self.adapter_names:
             raise ValueError(f"adapter {name!r} is already registered")
         adapter = load_adapter(name, folder, self.model_config, self.config.max_lora_rank)
-        assert isinstance(self.runner, ModelRunner)
-        self.runner.register_adapter(adapter, self.config.max_loras, self.config.max_lora_rank)
+        self.runner.register_adapter(adapter)
 
     @property
     def adapter_names(self) -> list[str]:
-        return list(self.runner.adapters) if isinstance(self.runner, ModelRunner) else []
+        return list(self.runner.adapters)
 
     # ---- requests -------------------------------------------------------------------------
 

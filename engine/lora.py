@@ -8,13 +8,17 @@ PEFT computes `base(x) + B(A(x)) * scale`, scale = lora_alpha / r, or lora_alpha
 The base model fuses q/k/v and gate/up into one projection each; an adapter's parts of a fused projection share one
 shrink (their A stacked, [parts * R, in]) and one expand (their B placed block-diagonally, [out, parts * R]),
 so each projection costs two grouped matmuls per step whatever the targets. Ranks below `max_lora_rank` and
-projections an adapter does not target are zero-padded. The term is added by a forward hook on the four
-projections of each layer, so the model code is unchanged: the hook reads the step's row -> slot map the runner
-set (`begin_step`). On CUDA the Triton kernel (kernels/lora.py) handles any mix of rows in two launches. On CPU a
-step of few rows (decode) runs its slots at once, a few ops whatever the mix: x times the slots' A stacked, masked to
-each row's own slot's columns, times their B stacked (reading each present slot's weights, which a decode step is
-bound by anyway; slots fill from 0, so the stack is the slots up to the highest in use); a larger step groups its rows by slot, one pair of matmuls per adapter present, so its arithmetic
-does not grow with the slots (measured on SmolLM2's q/k/v at 32 rows, 4 adapters: about 1.5x faster than grouping).
+projections an adapter does not target are zero-padded. The term is added by the projections themselves
+(`QuantizableLinear.adapter_term`, set here on the four projections of each layer; in a row-parallel one before the
+all-reduce), reading the step's row -> slot map the runner set (`begin_step`). On CUDA the Triton kernel
+(kernels/lora.py) handles any mix of rows in two launches; on the CPU the C++ kernel (kernels/lora_cpu.cpp) in one
+call, one pass per row over its own slot's weights, skipping the zero padding and the zero blocks of B, so its cost
+does not grow with the adapters present (bench/lora.py, README: 0.86x-0.92x the base's tokens per CPU second
+at 1-16 adapters, where the torch path below gave 0.63x-0.83x). Without the C++
+kernels (cpu_kernels=False, or no compiler) the torch path: a step of few rows (decode) runs its slots at once, x
+times the slots' A stacked, masked to each row's own slot's columns, times their B stacked (slots fill from 0, so the
+stack is the slots up to the highest in use); a larger step groups its rows by slot, one pair of matmuls per
+adapter present.
 """
 
 from __future__ import annotations
@@ -22,16 +26,17 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.llama import MLP, LlamaForCausalLM
-from kernels.lora import lora_add
+from engine.parallel_layers import ColumnParallelLinear, QuantizableLinear, RowParallelLinear
+from kernels.lora import load_lora_cpu_kernels, lora_add, lora_add_cpu
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -150,40 +155,63 @@ class _StepRows:
 
 
 class _SlotProjection:
-    """One fused projection's adapter slots: A [slots, parts * R, in], B [slots, out, parts * R]."""
+    """One fused projection's adapter slots: A [slots, parts * R, in], B [slots, out, parts * R]. Under tensor
+    parallelism a slot holds this rank's shard, cut like the base layer's: a column-parallel projection's B keeps
+    this rank's output rows of each part, a row-parallel projection's A this rank's input columns (its term is then
+    a partial sum, added before the base's all-reduce)."""
 
-    def __init__(self, module: nn.Linear, parts: tuple[str, ...], part_sizes: list[int], num_slots: int,
+    def __init__(self, module: QuantizableLinear, parts: tuple[str, ...], part_sizes: list[int], num_slots: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.parts, self.part_sizes, self.max_rank = parts, part_sizes, max_rank
+        assert isinstance(module, ColumnParallelLinear | RowParallelLinear)
+        self.row_parallel = isinstance(module, RowParallelLinear)
+        self.rank, self.ranks = module.group.rank, module.group.size
         self.width = len(parts) * max_rank
         self.a = torch.zeros(num_slots, self.width, module.in_features, dtype=dtype, device=device)
         # B stored transposed, [slots, width, out], so the first k slots stacked are one [k * width, out] view;
         # `b` is the [slots, out, width] view the kernel reads
         self.b_t = torch.zeros(num_slots, self.width, module.out_features, dtype=dtype, device=device)
         self.b = self.b_t.permute(0, 2, 1)
+        # Which rank rows each slot's adapter fills (its rank, its targeted parts): the C++ kernel skips the others
+        self.used = torch.zeros(num_slots, self.width, dtype=torch.bool, device=device)
+        # Each part's first output column, and the end: part p's rank rows expand into its columns only
+        self.part_starts = [sum(part_sizes[:index]) for index in range(len(part_sizes) + 1)]
         # Each column of the stacked shrink output -> its slot, for the all-slots path's mask
         self.slot_of_column = torch.arange(num_slots, device=device).repeat_interleave(self.width)
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.used[slot] = False
         out_start = 0
         for index, (part, size) in enumerate(zip(self.parts, self.part_sizes)):
             pair = adapter.weights.get((layer, part))
             if pair is not None:
                 a, b = pair
+                if self.row_parallel:  # this rank's input columns
+                    width = a.shape[1] // self.ranks
+                    a = a[:, self.rank * width : (self.rank + 1) * width]
+                else:  # this rank's output rows of the part
+                    b = b[self.rank * size : (self.rank + 1) * size]
                 column = index * self.max_rank
                 self.a[slot, column : column + adapter.rank] = a
                 self.b[slot, out_start : out_start + size, column : column + adapter.rank] = b * adapter.scale
+                self.used[slot, column : column + adapter.rank] = True
             out_start += size
 
 
 class LoRASlotWeights:
-    """The device's `num_slots` adapter slots over every layer of `model`, and the hooks that apply them."""
+    """The device's `num_slots` adapter slots over every layer of `model` (this rank's shard of each), and the terms
+    the projections add with them."""
 
     def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int, use_triton: bool) -> None:
         parameter = next(model.parameters())
         self.use_triton = use_triton
+        # The C++ kernel where the model runs its CPU kernels (float32, bfloat16) and it builds; else the torch path
+        self.use_cpu_kernel = (
+            not use_triton and model.kernels == "cpu" and parameter.dtype in (torch.float32, torch.bfloat16)
+            and load_lora_cpu_kernels() is not None
+        )
         self._projections: list[tuple[int, _SlotProjection]] = []
         self._rows: _StepRows | None = None
         self._offsets: dict[int, int] = {}  # per projection: rows already seen this step (a CPU MLP runs in slices)
@@ -196,7 +224,7 @@ class LoRASlotWeights:
                 sizes = list(module.local_part_sizes) if len(parts) > 1 else [module.out_features]
                 projection = _SlotProjection(module, parts, sizes, num_slots, max_rank, parameter.dtype, parameter.device)
                 self._projections.append((layer_index, projection))
-                module.register_forward_hook(self._hook(projection))
+                module.adapter_term = self._term(projection)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter` into `slot`, over whatever was there."""
@@ -213,8 +241,9 @@ class LoRASlotWeights:
         for row, slot in enumerate(token_slots):
             if slot >= 0:
                 by_slot.setdefault(slot, []).append(row)
-        all_slots = not self.use_triton and len(token_slots) <= _CPU_ALL_SLOTS_MAX_ROWS
-        groups = [] if self.use_triton or all_slots else [
+        per_row = self.use_triton or self.use_cpu_kernel  # kernels that take each row's slot as it is
+        all_slots = not per_row and len(token_slots) <= _CPU_ALL_SLOTS_MAX_ROWS
+        groups = [] if per_row or all_slots else [
             (slot, torch.tensor(rows, dtype=torch.int64, device=device)) for slot, rows in by_slot.items()
         ]
         slot_of_row = torch.tensor(token_slots, device=device).unsqueeze(1) if all_slots else None
@@ -227,17 +256,20 @@ class LoRASlotWeights:
     def end_step(self) -> None:
         self._rows = None
 
-    def _hook(self, projection: _SlotProjection):  # noqa: ANN202 (torch's hook signature)
-        def add_adapter_terms(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    def _term(self, projection: _SlotProjection) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        def add_adapter_terms(x: torch.Tensor, output: torch.Tensor) -> None:
             rows = self._rows
             if rows is None:
                 return
-            x = inputs[0]
             total = rows.token_slots.shape[0]
             start = self._offsets.get(id(projection), 0)
             self._offsets[id(projection)] = (start + x.shape[0]) % total
             if self.use_triton:
                 lora_add(x, projection.a, projection.b, rows.token_slots[start : start + x.shape[0]], output)
+                return
+            if self.use_cpu_kernel:
+                lora_add_cpu(x, projection.a, projection.b_t, rows.token_slots[start : start + x.shape[0]],
+                             projection.used, projection.part_starts, output)
                 return
             if rows.slot_of_row is not None:  # the first `spanned` slots at once, each row masked to its own
                 columns = rows.spanned * projection.width

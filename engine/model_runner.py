@@ -60,13 +60,12 @@ class ModelRunner:
         self._swap_seconds = 0.0
         self._pending_swap_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.adapters: dict[str, LoRAAdapter] = {}  # registered LoRA adapters, by name (host memory)
-        self.lora: LoRASlotWeights | None = None  # the device's adapter slots, built with the first adapter
-        self._use_triton = use_triton
+        # the device's adapter slots, set by the shard's builder before the KV cache is sized (enable_lora)
+        self.lora: LoRASlotWeights | None = None
 
-    def register_adapter(self, adapter: LoRAAdapter, num_slots: int, max_rank: int) -> None:
-        """Make `adapter` loadable into a slot; the first one allocates the `num_slots` slots of `max_rank`."""
-        if self.lora is None:
-            self.lora = LoRASlotWeights(self.model, num_slots, max_rank, self._use_triton)
+    def register_adapter(self, adapter: LoRAAdapter) -> None:
+        """Make `adapter` loadable into a slot (the engine was built with enable_lora)."""
+        assert self.lora is not None, "adapters need the slots enable_lora allocates"
         self.adapters[adapter.name] = adapter
 
     @property

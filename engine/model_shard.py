@@ -26,6 +26,7 @@ from engine.loader import init_dummy_weights, iter_checkpoint
 from engine.model_registry import ModelSource
 from engine.model_runner import ModelRunner
 from engine.models import MODEL_CLASSES
+from engine.lora import LoRASlotWeights
 from engine.models.llama import LlamaForCausalLM
 from engine.multimodal.encoder_cache import EncoderCache
 from engine.multimodal.encoder_step import EncoderStep
@@ -112,6 +113,11 @@ def _build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShar
     config, device = spec.config, spec.device_of(group.rank)
     model = _build_model(spec, device, group)
     vision = _build_vision(spec, device)
+    # The adapter slots before the profile: on CUDA they are then weights the KV cache budget leaves room for
+    lora = (
+        LoRASlotWeights(model, config.max_loras, config.max_lora_rank, spec.kernel_backend == "triton")
+        if config.enable_lora else None
+    )
     shape = rank_model_config(spec.model_config, group.size)
     device_memory = None
     if device.type == "cuda" and config.num_kv_blocks is None:
@@ -131,6 +137,7 @@ def _build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShar
     )
     max_blocks_per_seq = -(-max_model_len // config.block_size)
     runner = ModelRunner(model, kv_caches, host_caches, config.block_size, device, spec.kernel_backend, vision)
+    runner.lora = lora
     if spec.kernel_backend == "triton":
         runner.warm_up(config.max_num_batched_tokens, max_blocks_per_seq)
     graph_batch = min(config.cuda_graph_max_batch_size, config.max_num_seqs)

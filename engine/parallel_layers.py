@@ -14,6 +14,8 @@ that can be sliced before they are read (safetensors slices): a rank reads its p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,7 +54,13 @@ class Linear(nn.Linear):
 class QuantizableLinear(nn.Module):
     """A projection [in_features -> out_features] whose weight layout, loading and matmul belong to the
     quantization method of the model being built (engine/quantization/): float weights, GGUF blocks or int8/int4
-    groups. The bias, where there is one, stays float in the model's dtype."""
+    groups. The bias, where there is one, stays float in the model's dtype.
+
+    `adapter_term(x, out)`, where set (the LoRA slots, engine/lora.py), adds each row's adapter term to the output in
+    place after the matmul: in a row-parallel projection before the all-reduce, so each rank's term from its slice of
+    the input is a partial sum like the base's, and one all-reduce sums both."""
+
+    adapter_term: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -75,7 +83,10 @@ class QuantizableLinear(nn.Module):
         self.method.process_weights_after_loading(self, pack_for_cpu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        out = self.method.apply(self, x)
+        if self.adapter_term is not None:
+            self.adapter_term(x, out)
+        return out
 
 
 class ColumnParallelLinear(QuantizableLinear):

@@ -2,7 +2,7 @@
 step to them, and fails loudly when one dies.
 
 Rank 0 alone schedules and samples. Each step it pickles the SchedulerOutput once and writes it down a pipe to
-every other rank; each rank then moves its own KV blocks (swap, copy-on-write) and runs its shard of the forward
+every other rank (and each LoRA adapter registered, once: every rank loads its own shard of it into its slots); each rank then moves its own KV blocks (swap, copy-on-write) and runs its shard of the forward
 pass, meeting the others in the layers' collectives. The pipes carry plain data only and a rank blocks on its
 pipe while the engine is idle, so an idle engine has no collective waiting to time out.
 
@@ -40,6 +40,7 @@ from engine.distributed import (
     open_store,
     wait_for_store,
 )
+from engine.lora import LoRAAdapter
 from engine.model_runner import ModelRunner, StepResult
 from engine.model_shard import ModelShard, ShardSpec, build_model_shard
 from engine.sampler import SamplingRow
@@ -111,7 +112,7 @@ class TensorParallelRanks:
         if self.failure is not None:
             raise RankFailure(self.failure)
 
-    def send(self, output: SchedulerOutput) -> None:
+    def send(self, output: SchedulerOutput | LoRAAdapter) -> None:
         message = pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for pipe in self._pipes:
@@ -157,6 +158,16 @@ class TensorParallelRunner:
     def swap_seconds(self) -> float:
         return self.local.swap_seconds
 
+    @property
+    def adapters(self) -> dict[str, LoRAAdapter]:
+        return self.local.adapters
+
+    def register_adapter(self, adapter: LoRAAdapter) -> None:
+        """Every rank keeps the adapter (its slots hold their own shard of it when a step loads it)."""
+        self.ranks.check()
+        self.ranks.send(adapter)
+        self.local.register_adapter(adapter)
+
     def execute(
         self,
         output: SchedulerOutput,
@@ -199,6 +210,9 @@ def _run_rank(rank: int, spec: ShardSpec, store_port: int, steps: Connection) ->
                     return
                 if output is None:
                     return
+                if isinstance(output, LoRAAdapter):
+                    shard.runner.register_adapter(output)
+                    continue
                 shard.runner.execute(output, ())
     finally:
         leave_group()

@@ -98,7 +98,15 @@ class Settings(BaseSettings):
         "",
         description="LoRA adapters the worker serves on its model: `name=folder,...` (PEFT folders), a JSON object, or "
         "a directory whose subfolders are adapters named by the subfolder; each a served model named `name` "
-        "(routable, aliasable, listed with its `parent`), loaded once at start",
+        "(routable, aliasable, listed with its `parent`), loaded once at start. A folder or the directory may be "
+        "`s3://bucket/prefix/` (the service's S3 endpoint and credentials), downloaded at start into "
+        "`CONVEYOR_LORA_ADAPTER_CACHE_DIR`",
+    )
+    lora_adapter_cache_dir: str = Field(
+        "",
+        description="where a worker downloads the `s3://` adapters of `CONVEYOR_LORA_ADAPTERS` at start (files "
+        "already there with the listed size are kept); empty: `lora-adapters` in `CONVEYOR_CACHE_DIR` "
+        "(`~/.cache/conveyor`)",
     )
     model_announce_ttl_seconds: float = Field(
         DEFAULT_ANNOUNCE_TTL_SECONDS,

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+from pathlib import Path
 from typing import Any
 
 from redis import Redis
@@ -26,8 +27,9 @@ from engine.config import model_quantization
 from engine.embedder import Embedder
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.model_registry import resolve_embedding_model
+from engine.model_registry import default_cache_dir, resolve_embedding_model
 from jobs import enqueue
+from jobs.adapter_sources import local_lora_adapters
 from jobs.batches import RAG_ENDPOINT
 from jobs.celery_app import CONTROL_QUEUE, celery_app
 from jobs.db import make_engine, make_session_factory
@@ -41,7 +43,7 @@ from jobs.run.kinds import EngineHandle, JobKind
 from jobs.run.memory import cap_malloc_arenas
 from jobs.run.pipeline import Pipeline
 from jobs.served_models import (
-    UNROUTED_QUEUE, ModelRegistry, WorkerModels, parse_aliases, parse_lora_adapters, parse_names, process_models,
+    UNROUTED_QUEUE, ModelRegistry, WorkerModels, parse_aliases, parse_names, process_models,
 )
 from jobs.settings import Settings
 from jobs.stop_flags import StopFlags
@@ -63,10 +65,12 @@ def build_engine(settings: Settings) -> EngineLoop:
     # Only found, not loaded (see LazyEmbedder): a misnamed embedding model fails the worker now, not a batch later.
     resolve_embedding_model(settings.embedding_model)
     log.info("loading model %s", settings.model)
-    adapters = parse_lora_adapters(settings.lora_adapters)
+    adapter_cache = Path(settings.lora_adapter_cache_dir or default_cache_dir() / "lora-adapters")
+    adapters = local_lora_adapters(settings.lora_adapters, settings.s3, adapter_cache)
 
     def engine_with_adapters() -> LLMEngine:
-        engine = LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_options)
+        options = {**settings.engine_options, **({"enable_lora": True} if adapters else {})}
+        engine = LLMEngine(settings.model, dtype=settings.dtype, device=settings.device, **options)
         for name, folder in adapters.items():
             engine.add_lora(name, folder)
         return engine

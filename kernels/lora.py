@@ -1,13 +1,25 @@
 """Grouped LoRA, the Punica/S-LoRA shape: each token row of a step adds its own adapter's low-rank term to a shared
 base projection, `out[t] += (x[t] @ A[s].T) @ B[s].T` with s = `token_slots[t]` (-1: the base model, nothing added).
 `A` is [slots, R, in] and `B` [slots, out, R], one slot per resident adapter, its scale folded into B; two launches
-(shrink to R, expand from R) whatever the mix of adapters in the step."""
+(shrink to R, expand from R) whatever the mix of adapters in the step. On the CPU `lora_add_cpu` (lora_cpu.cpp) does
+both in one call, one pass per row over its slot's weights, skipping the zero-padded ranks and the zero blocks of a
+fused projection's block-diagonal B; `lora_add_reference` is the oracle of both."""
 
 from __future__ import annotations
 
+import logging
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
 import torch
 
+from kernels.cpu_kernels import build_digest, load_extension
 from kernels.triton_utils import interpreter_enabled, require_triton, tl, triton
+
+log = logging.getLogger(__name__)
+
+_CPU_SOURCE = Path(__file__).with_name("lora_cpu.cpp")
 
 
 @triton.jit
@@ -105,3 +117,31 @@ def lora_add_reference(
     y = torch.bmm(a[slots].float(), x[rows].float().unsqueeze(-1))  # [rows, R, 1]
     delta = torch.bmm(b[slots].float(), y).squeeze(-1)
     out[rows] = (out[rows].float() + delta).to(out.dtype)
+
+
+@cache
+def load_lora_cpu_kernels() -> ModuleType | None:
+    """The compiled CPU kernel, or None where it cannot be built (the engine then keeps its torch path)."""
+    try:
+        return load_extension(
+            f"conveyor_lora_cpu_{build_digest(_CPU_SOURCE)}", "the C++ LoRA kernel", [_CPU_SOURCE],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+        )
+    except Exception as error:  # any build failure means: use the torch path
+        log.warning("the C++ LoRA kernel is unavailable, using the torch path: %s", error)
+        return None
+
+
+def lora_add_cpu(
+    x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, token_slots: torch.Tensor, used: torch.Tensor,
+    part_starts: list[int], out: torch.Tensor,
+) -> None:
+    """C++ launcher: adds each row's adapter term to `out` [T, out] in place (float32 or bfloat16). `b_t` is B
+    transposed, [slots, W, out]; W = parts * R, rank row r of part r // R adds to output columns
+    part_starts[r // R] .. part_starts[r // R + 1] only; `used` [slots, W] bool: the rank rows a slot's adapter fills
+    (the others are zero and skipped); `token_slots` [T] int32."""
+    module = load_lora_cpu_kernels()
+    if module is None:
+        raise RuntimeError("the C++ LoRA kernel could not be built (see the log)")
+    part_rank = a.shape[1] // (len(part_starts) - 1)
+    module.lora_add(x, a, b_t, token_slots, used, part_starts, part_rank, out)

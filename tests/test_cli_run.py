@@ -14,7 +14,7 @@ import pytest
 from conveyor.cli import main
 from conveyor.progress import ProgressLines
 from engine import Embedder
-from tests.conftest import hf_smollm2
+from tests.lora_adapters import save_smollm2_adapters
 
 
 def request_line(custom_id: str, url: str, body: dict[str, Any]) -> str:
@@ -273,14 +273,7 @@ def test_run_serves_lora_adapters_beside_the_base_model(
     """Lines of the base model and of two adapters (one through an `ft:`-style alias) in one file: each answered by
     what it names, and greedy output of an adapter line differs from the base's; an unknown adapter is
     model_not_found, not the base model."""
-    import peft
-    import torch
-
-    for name, seed in (("tone", 0), ("extract", 1)):
-        torch.manual_seed(seed)
-        model = hf_smollm2()
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
-        peft.get_peft_model(model, config).save_pretrained(tmp_path / name)
+    save_smollm2_adapters(tmp_path, ["tone", "extract"], ["q_proj", "v_proj", "down_proj"])
     chat = "/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6, "temperature": 0}
     lines = [

@@ -1,17 +1,18 @@
-"""LoRA adapters through the service: a worker serving two adapters on its model (CONVEYOR_LORA_ADAPTERS), one batch
-file mixing base and adapter lines through the openai SDK, /v1/models listing the adapters with their parent."""
+"""LoRA adapters through the service: a worker serving two adapters on its model (CONVEYOR_LORA_ADAPTERS: one from the
+object store, one local), one batch file mixing base and adapter lines through the openai SDK, /v1/models listing the
+adapters with their parent."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import torch
 
 from jobs.settings import Settings, replace
+from jobs.storage import ObjectStore
 from tests.api.test_batch_service import chat_line, client_for, jsonl, read_jsonl, wait_for
 from tests.stack_fixtures import running_stack
-from tests.conftest import hf_smollm2
+from tests.lora_adapters import save_smollm2_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -21,16 +22,16 @@ BASE = "smollm2-135m-instruct"
 def test_a_batch_mixes_the_base_model_and_its_adapters(
     private_stack_settings: Settings, tmp_path: Path
 ) -> None:
-    import peft
-
-    for name, seed in (("tone", 0), ("extract", 1)):
-        torch.manual_seed(seed)
-        model = hf_smollm2()
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        peft.get_peft_model(model, config).save_pretrained(tmp_path / name)
+    folders = save_smollm2_adapters(tmp_path, ["tone", "extract"], ["q_proj", "v_proj"])
+    # "tone" from the object store (downloaded by the worker at start), "extract" from a local folder
+    s3 = private_stack_settings.s3
+    store = ObjectStore(s3)
+    for file in folders["tone"].iterdir():
+        store.put_bytes(f"lora-{tmp_path.name}/tone/{file.name}", file.read_bytes())
     settings = replace(
         private_stack_settings,
-        lora_adapters=f"tone={tmp_path / 'tone'},extract={tmp_path / 'extract'}",
+        lora_adapters=f"tone=s3://{s3.bucket}/{s3.prefix}lora-{tmp_path.name}/tone/,extract={folders['extract']}",
+        lora_adapter_cache_dir=str(tmp_path / "adapter-cache"),
         model_aliases="ft:smollm2:acme::extract=extract",
     )
     with running_stack(settings, tmp_path / "stack") as stack:
@@ -60,3 +61,5 @@ def test_a_batch_mixes_the_base_model_and_its_adapters(
         assert texts["tone"] != texts["base"] and texts["aliased"] != texts["base"]
         errors = read_jsonl(client, done.error_file_id)
         assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("unknown", "model_not_found")]
+    # the worker read "tone" from its download in the cache folder set
+    assert [path.parent.name for path in (tmp_path / "adapter-cache").rglob("adapter_config.json")] == ["tone"]

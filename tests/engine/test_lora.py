@@ -63,7 +63,7 @@ def lora_case(tmp_path_factory):
 
 def _engine(case, device: str = "cpu", **options: object) -> LLM:
     base, folders, _, _ = case
-    llm = LLM(model=base, dtype="float32", device=device, **options)
+    llm = LLM(model=base, dtype="float32", device=device, enable_lora=True, **options)
     for name, folder in folders.items():
         llm.add_lora(name, folder)
     return llm
@@ -105,6 +105,21 @@ def test_interleaved_adapters_match_peft(lora_case, setup):
     assert stats.kv_blocks_used == 0 and stats.host_blocks_used == 0
 
 
+def test_tensor_parallel_adapters_match_peft(lora_case):
+    """Two ranks (gloo on CPU), each holding its shard of every adapter cut like the base layers (B's output rows of
+    q/k/v and gate/up; A's input columns of o and down, whose terms join the base's all-reduce): three prompts on
+    every variant, interleaved in one batch."""
+    _, _, prompts, expected = lora_case
+    llm = _engine(lora_case, tensor_parallel_size=2)
+    try:
+        lines = [(variant, prompt_index) for prompt_index in range(3) for variant in VARIANTS]
+        params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, adapter=v) for v, _ in lines]
+        outputs = llm.generate([prompts[i] for _, i in lines], params, use_tqdm=False)
+        assert [list(output.outputs[0].token_ids) for output in outputs] == [expected[v][i] for v, i in lines]
+    finally:
+        llm.engine.close()
+
+
 def test_adapter_lines_keep_sampling_fields(lora_case):
     """An adapter line takes what a base line takes: log-probs, min_tokens and n here (its samples fork the adapter's
     prompt blocks)."""
@@ -137,7 +152,7 @@ def _copy(folder: str, tmp_path, edit_config=None, drop_weights: bool = False) -
 
 def test_bad_adapters_fail_at_registration(lora_case, tmp_path):
     base, folders, _, _ = lora_case
-    llm = LLM(model=base, dtype="float32", device="cpu", max_lora_rank=8)
+    llm = LLM(model=base, dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8)
     with pytest.raises(ValueError, match="rank 16 is above max_lora_rank"):
         llm.add_lora("rs", folders["rs"])
     with pytest.raises(ValueError, match="not a PEFT LoRA adapter folder"):
@@ -162,9 +177,20 @@ def test_bad_adapter_shapes_for_another_base(lora_case, tmp_path):
     other = save_random_hf_model("qwen3", tmp_path / "qwen3")  # head_dim 32: q is 128 wide, not 64
     model = transformers.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
     peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "q")
-    llm = LLM(model=lora_case[0], dtype="float32", device="cpu")
+    llm = LLM(model=lora_case[0], dtype="float32", device="cpu", enable_lora=True)
     with pytest.raises(ValueError, match="q_proj needs lora_A"):
         llm.add_lora("q", str(tmp_path / "q"))
+
+
+def test_adapters_need_slots_allocated_at_start(lora_case):
+    """The slots exist before any adapter (allocated before the KV cache is sized); an engine without them refuses
+    adapters rather than allocating them later outside its memory budget."""
+    base, folders, _, _ = lora_case
+    assert LLM(model=base, dtype="float32", device="cpu", enable_lora=True).engine.runner.lora is not None
+    plain = LLM(model=base, dtype="float32", device="cpu")
+    assert plain.engine.runner.lora is None
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        plain.add_lora("attn", folders["attn"])
 
 
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="triton is not installed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora import lora_add, lora_add_reference
+from kernels.lora import load_lora_cpu_kernels, lora_add, lora_add_cpu, lora_add_reference
 from tests.kernels.kernel_testing import DTYPES, tolerance
 
 
@@ -45,3 +45,30 @@ def test_reference_matches_the_formula() -> None:
     for row, slot in enumerate(slots.tolist()):
         expected = base[row] if slot < 0 else base[row] + b[slot].double() @ (a[slot].double() @ x[row].double())
         torch.testing.assert_close(out[row].double(), expected.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_kernel_matches_reference(dtype) -> None:
+    """The C++ kernel on a fused projection's layout (three parts of rank 4, B block-diagonal): slots filling part of
+    their ranks and parts (`used`), rows of every slot and of the base model."""
+    if load_lora_cpu_kernels() is None:
+        pytest.skip("the C++ LoRA kernel cannot be built here")
+    generator = torch.Generator().manual_seed(5)
+    part_sizes, rank, in_features = [12, 6, 6], 4, 20
+    width, starts = len(part_sizes) * rank, [0, 12, 18, 24]
+    used = torch.rand(3, width, generator=generator) > 0.3
+    a = torch.randn(3, width, in_features, generator=generator) * used.unsqueeze(-1)
+    b_t = torch.randn(3, width, starts[-1], generator=generator) * used.unsqueeze(-1)
+    for part in range(len(part_sizes)):  # each part's rank rows expand into its own columns only
+        outside = torch.ones(starts[-1], dtype=torch.bool)
+        outside[starts[part] : starts[part + 1]] = False
+        b_t[:, part * rank : (part + 1) * rank, outside] = 0
+    x = torch.randn(9, in_features, generator=generator).to(dtype)
+    slots = torch.tensor([0, -1, 2, 1, 1, 0, -1, 2, 2], dtype=torch.int32)
+    base = torch.randn(9, starts[-1], generator=generator).to(dtype)
+    a, b_t = a.to(dtype), b_t.to(dtype)
+    out, expected = base.clone(), base.clone()
+    lora_add_cpu(x, a, b_t, slots, used, starts, out)
+    lora_add_reference(x, a, b_t.transpose(1, 2), slots, expected)
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+    assert torch.equal(out[slots < 0], base[slots < 0])
