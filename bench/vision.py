@@ -12,18 +12,19 @@ Decoding is greedy for exactly `--max-tokens` tokens on both sides (min_tokens /
   - HF: `generate` on `--hf-batch-size` lines at a time, the folder's processor building the padded batch
     (left padding) with its images; preprocessing counts in its time as it does in conveyor's.
 
-Each of `--repeats` rounds runs both sides on a fresh batch (new seed, so neither the prefix cache nor the encoder
-cache carries anything over); the table gives each side's median images/s (images in the batch over the batch's
-wall time) and output tok/s, and the median ratio of the rounds. "Identical to HF" counts the lines whose tokens
+Each of `--repeats` rounds runs both sides on a fresh batch (new seed, so the encoder cache carries nothing over;
+the prefix cache is off in these runs); the table gives each side's median images/s (images in the batch over the
+batch's wall time) and output tok/s, and the median ratio of the rounds. "Identical to HF" counts the lines whose tokens
 equal HF's (float32 should give all; bfloat16 and HF's padding may not). The second table runs one batch again
 with prefill chunks of `--chunk-tokens` tokens, so most images span several steps, with the encoder cache on and
 off: `stats()`'s images_encoded and encoder_cache_hits (hit rate = hits / (hits + encodes)).
 
     python -m bench.vision                                  # small shape, float32, CPU
-    python -m bench.vision --shape tiny --lines 4 --max-tokens 4 --repeats 1   # seconds (the smoke test's)
+    python -m bench.vision --shape tiny --lines 4 --max-tokens 4 --repeats 1 --chunk-tokens 5   # seconds
 
-No GPU option yet: the real LLaVA-1.5-7B shape would need dummy weights on both sides (transformers' 7B built in
-memory, conveyor's `load_format="dummy"` on a config-and-processor folder), which is not written.
+`--device cuda` puts both sides on a GPU (not yet run on one). There is no real-shape option yet (LLaVA-1.5-7B with
+dummy weights: a config-and-processor folder loaded with `load_format="dummy"` by conveyor, transformers' model
+built in GPU memory), as nothing in this project's sessions could run and check it.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def run(args: argparse.Namespace) -> None:
         options = dict(dtype=args.dtype, device=args.device)
         llm = LLM(str(folder), enable_prefix_caching=False, max_num_seqs=args.lines, **options)
         model, processor = load_hf(folder, args)
-        warm = make_batch(argparse.Namespace(**{**vars(args), "lines": 2}), seed=args.seed + args.repeats)  # a seed no round uses
+        warm_args = argparse.Namespace(**{**vars(args), "lines": 2})
+        warm = make_batch(warm_args, seed=args.seed + args.repeats)  # a seed no round uses
         run_conveyor(llm, warm, args), run_hf(model, processor, warm, args)  # first-use costs out of the figures
         rounds = []
         for round_index in range(args.repeats):
