@@ -94,8 +94,8 @@ def smollm2_folder() -> Path:
 
 @pytest.fixture(scope="session")
 def llava_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random LLaVA-1.5 folder saved by transformers (tests/vision_models.py), built once per session."""
-    from tests.vision_models import make_llava
+    """A tiny random LLaVA-1.5 folder saved by transformers (bench/vision_models.py), built once per session."""
+    from bench.vision_models import make_llava
 
     return make_llava(tmp_path_factory.mktemp("llava"))
 

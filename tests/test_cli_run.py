@@ -325,7 +325,7 @@ def test_run_answers_image_lines_with_a_vision_model(tmp_path: Path, llava_folde
     import torch
     import transformers
 
-    from tests.vision_models import image
+    from bench.vision_models import image
 
     chat = "/v1/chat/completions"
     one, two, three = image(1, 40, 33), image(2, 25, 60), image(3, 90, 31)

@@ -14,7 +14,7 @@ import pytest
 from jobs.settings import Settings, replace
 from tests.api.test_batch_service import CHAT, client_for, jsonl, read_jsonl, wait_for
 from tests.stack_fixtures import running_stack
-from tests.vision_models import image
+from bench.vision_models import image
 
 pytestmark = pytest.mark.slow
 

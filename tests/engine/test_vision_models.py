@@ -18,7 +18,7 @@ from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.multimodal import ImageInput
 from engine.outputs import RequestOutput
-from tests.vision_models import WORDS, image
+from bench.vision_models import WORDS, image
 
 pytestmark = pytest.mark.slow
 

@@ -309,7 +309,7 @@ def test_image_lines_run_on_a_vision_model_a_window_at_a_time(
     import base64
 
     from jobs.images.inputs import ImageLimits
-    from tests.vision_models import image
+    from bench.vision_models import image
 
     def data_url(seed: int) -> str:
         out = io.BytesIO()

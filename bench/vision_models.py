@@ -1,10 +1,12 @@
-"""A tiny random LLaVA-1.5 saved by transformers itself (tiny CLIP tower, tiny Llama, a processor folder with a
-word-level tokenizer holding `<image>` and the llava-hf chat template), and images made with PIL: shared by the engine's
-vision tests and the request side's (`conveyor run`, the service). Built once per session (`llava_folder` in
-tests/conftest.py)."""
+"""A small random LLaVA-1.5 saved by transformers itself (a CLIP tower, a Llama, a processor folder with a word-level
+tokenizer holding `<image>` and the llava-hf chat template), and images made with PIL: the engine's vision tests and
+the request side's (`conveyor run`, the service) build the TINY shape once per session (`llava_folder` in
+tests/conftest.py); `bench/vision.py` builds TINY or SMALL at run time. Weights are seeded, so every build of a shape
+is the same model."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +21,28 @@ TEMPLATE = (  # the LLaVA-1.5 processors' template (llava-hf), less its {% gener
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
     "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
-IMAGE_SIZE, PATCH = 28, 7  # 16 placeholder tokens per image
 
 
-def make_llava(folder: Path) -> Path:
+@dataclass(frozen=True)
+class LlavaShape:
+    """The widths of the two towers; (image_size / patch)² placeholder tokens per image."""
+
+    image_size: int  # pixels, square after the processor's resize and centre crop
+    patch: int  # pixels per patch side
+    vision_hidden: int
+    vision_layers: int
+    text_hidden: int
+    text_layers: int
+    heads: int  # attention heads of both towers; the text tower has half as many KV heads
+
+
+TINY = LlavaShape(image_size=28, patch=7, vision_hidden=32, vision_layers=3, text_hidden=64, text_layers=2, heads=4)
+SMALL = LlavaShape(
+    image_size=112, patch=14, vision_hidden=128, vision_layers=4, text_hidden=256, text_layers=4, heads=8
+)
+
+
+def make_llava(folder: Path, shape: LlavaShape = TINY) -> Path:
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -35,20 +55,22 @@ def make_llava(folder: Path) -> Path:
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     image_processor = transformers.CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE + 2}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+        size={"shortest_edge": shape.image_size + 2}, crop_size={"height": shape.image_size, "width": shape.image_size}
     )
     processor = transformers.LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, chat_template=TEMPLATE,
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=shape.patch,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1, chat_template=TEMPLATE,
     )
     config = transformers.LlavaConfig(
         vision_config=transformers.CLIPVisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=IMAGE_SIZE,
-            patch_size=PATCH, projection_dim=32,
+            hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
+            num_hidden_layers=shape.vision_layers, num_attention_heads=shape.heads, image_size=shape.image_size,
+            patch_size=shape.patch, projection_dim=shape.vision_hidden,
         ),
         text_config=transformers.LlamaConfig(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+            vocab_size=512, hidden_size=shape.text_hidden, intermediate_size=2 * shape.text_hidden,
+            num_hidden_layers=shape.text_layers, num_attention_heads=shape.heads, num_key_value_heads=shape.heads // 2,
+            max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
             tie_word_embeddings=False,
         ),
         image_token_index=WORDS.index("<image>"), vision_feature_layer=-2, vision_feature_select_strategy="default",

@@ -1,0 +1,196 @@
+"""Images in batch lines: a mixed batch of image and text lines on a small random LLaVA-1.5, conveyor against
+transformers' `generate` in batches, in one run, on the same lines; then the encoder-output cache on chunked prompts.
+
+The model is LLaVA-1.5's architecture (CLIP tower, projector, Llama) scaled down, built and saved by transformers at
+run time with seeded random weights (bench/vision_models.py; `--shape small`: 112 px images, 64 placeholder tokens
+each, 4 + 4 layers; `--shape tiny`: the tests' model, 16 placeholders). The issue asks for a Qwen2.5-VL-like model;
+LLaVA-1.5 is the only vision family the engine has, so this is it. Every line is a user turn of random words from the
+tokenizer's vocabulary; every `--image-every`-th line carries one image of random size (PIL noise), all different.
+Decoding is greedy for exactly `--max-tokens` tokens on both sides (min_tokens / min_new_tokens).
+
+  - conveyor: `LLM.chat` over the whole batch (continuous batching, the vision encoder run inside the steps).
+  - HF: `generate` on `--hf-batch-size` lines at a time, the folder's processor building the padded batch
+    (left padding) with its images; preprocessing counts in its time as it does in conveyor's.
+
+Each of `--repeats` rounds runs both sides on a fresh batch (new seed, so the encoder cache carries nothing over;
+the prefix cache is off in these runs); the table gives each side's median images/s (images in the batch over the
+batch's wall time) and output tok/s, and the median ratio of the rounds. "Identical to HF" counts the lines whose tokens
+equal HF's (float32 should give all; bfloat16 and HF's padding may not). The second table runs one batch again
+with prefill chunks of `--chunk-tokens` tokens, so most images span several steps, with the encoder cache on and
+off: `stats()`'s images_encoded and encoder_cache_hits (hit rate = hits / (hits + encodes)).
+
+    python -m bench.vision                                  # small shape, float32, CPU
+    python -m bench.vision --shape tiny --lines 4 --max-tokens 4 --repeats 1 --chunk-tokens 5   # seconds
+
+`--device cuda` puts both sides on a GPU (not yet run on one). There is no real-shape option yet (LLaVA-1.5-7B with
+dummy weights: a config-and-processor folder loaded with `load_format="dummy"` by conveyor, transformers' model
+built in GPU memory), as nothing in this project's sessions could run and check it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import markdown_table, run_cli
+from bench.vision_models import SMALL, TINY, WORDS, image, make_llava
+from engine import LLM, SamplingParams
+
+SHAPES = {"tiny": TINY, "small": SMALL}
+
+
+@dataclass(frozen=True)
+class Side:
+    seconds: float
+    images: int
+    tokens: list[list[int]]  # per line
+
+    @property
+    def images_per_second(self) -> float:
+        return self.images / self.seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(len(t) for t in self.tokens) / self.seconds
+
+
+def make_batch(args: argparse.Namespace, seed: int) -> list[list[dict[str, Any]]]:
+    """`args.lines` one-turn conversations; every `image_every`-th has an image (its own seed, size in 20-200 px)."""
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(len(WORDS), 500)]
+    conversations = []
+    for line in range(args.lines):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(*args.prompt_words)))
+        parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+        if line % args.image_every == 0:
+            picture = image(seed * 100_003 + line, rng.randint(20, 200), rng.randint(20, 200))
+            parts.insert(0, {"type": "image", "image": picture})
+        conversations.append([{"role": "user", "content": parts}])
+    return conversations
+
+
+def images_of(conversation: list[dict[str, Any]]) -> list[Any]:
+    return [part["image"] for part in conversation[0]["content"] if part["type"] == "image"]
+
+
+def greedy(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
+
+
+def run_conveyor(llm: LLM, batch: list[list[dict[str, Any]]], args: argparse.Namespace) -> Side:
+    started = time.perf_counter()
+    outputs = llm.chat(batch, greedy(args), use_tqdm=False)
+    seconds = time.perf_counter() - started
+    return Side(seconds, sum(len(images_of(c)) for c in batch), [o.outputs[0].token_ids for o in outputs])
+
+
+def run_hf(model: Any, processor: Any, batch: list[list[dict[str, Any]]], args: argparse.Namespace) -> Side:
+    tokens = []
+    started = time.perf_counter()
+    for first in range(0, len(batch), args.hf_batch_size):
+        part = batch[first : first + args.hf_batch_size]
+        texts = [processor.apply_chat_template(c, add_generation_prompt=True) for c in part]
+        images = [picture for c in part for picture in images_of(c)] or None
+        inputs = processor(images=images, text=texts, padding=True, return_tensors="pt").to(args.device)
+        with torch.inference_mode():
+            output = model.generate(
+                **inputs, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False
+            )
+        tokens.extend(row.tolist() for row in output[:, inputs["input_ids"].shape[1] :])
+    seconds = time.perf_counter() - started
+    return Side(seconds, sum(len(images_of(c)) for c in batch), tokens)
+
+
+def load_hf(folder: Path, args: argparse.Namespace) -> tuple[Any, Any]:
+    import transformers
+
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    processor.tokenizer.padding_side = "left"  # generate appends on the right
+    processor.tokenizer.pad_token = processor.tokenizer.pad_token or "<unk>"  # the word-level tokenizer has none
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=getattr(torch, args.dtype))
+    return model.to(args.device).eval(), processor
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(__doc__, add_arguments, run, argv)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=SHAPES, default="small")
+    parser.add_argument("--dtype", default="float32", help="both sides (float32: the outputs should be identical)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--lines", type=int, default=16)
+    parser.add_argument("--image-every", type=int, default=2, help="every n-th line carries an image")
+    parser.add_argument("--prompt-words", type=int, nargs=2, default=(8, 32), metavar=("MIN", "MAX"))
+    parser.add_argument("--max-tokens", type=int, default=16, help="generated per line, exactly")
+    parser.add_argument("--hf-batch-size", type=int, default=8, help="lines per HF generate call")
+    parser.add_argument("--chunk-tokens", type=int, default=16, help="max_num_batched_tokens of the chunked runs")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of conveyor then HF")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> None:
+    shape = SHAPES[args.shape]
+    placeholders = (shape.image_size // shape.patch) ** 2
+    print(
+        f"LLaVA-1.5 shape={args.shape} ({placeholders} image tokens) dtype={args.dtype} device={args.device} "
+        f"lines={args.lines} (an image every {args.image_every}) prompt-words={args.prompt_words[0]}-"
+        f"{args.prompt_words[1]} max-tokens={args.max_tokens} hf-batch-size={args.hf_batch_size} "
+        f"repeats={args.repeats} threads={torch.get_num_threads()}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-vision-") as scratch:
+        folder = make_llava(Path(scratch) / "llava", shape)
+        options = dict(dtype=args.dtype, device=args.device)
+        llm = LLM(str(folder), enable_prefix_caching=False, max_num_seqs=args.lines, **options)
+        model, processor = load_hf(folder, args)
+        warm_args = argparse.Namespace(**{**vars(args), "lines": 2})
+        warm = make_batch(warm_args, seed=args.seed + args.repeats)  # a seed no round uses
+        run_conveyor(llm, warm, args), run_hf(model, processor, warm, args)  # first-use costs out of the figures
+        rounds = []
+        for round_index in range(args.repeats):
+            batch = make_batch(args, args.seed + round_index)
+            rounds.append((run_conveyor(llm, batch, args), run_hf(model, processor, batch, args)))
+        ratios = [ours.tokens_per_second / theirs.tokens_per_second for ours, theirs in rounds]
+        print(f"conveyor / HF tok/s per round: {', '.join(f'{r:.2f}' for r in ratios)}", flush=True)
+        identical = sum(a == b for ours, theirs in rounds for a, b in zip(ours.tokens, theirs.tokens))
+        rows = []
+        for side, label in ((0, "conveyor"), (1, f"HF generate, batches of {args.hf_batch_size}")):
+            rows.append([
+                label, f"{statistics.median(r[side].images_per_second for r in rounds):.2f}",
+                f"{statistics.median(r[side].tokens_per_second for r in rounds):.1f}",
+                f"{statistics.median(ratios) if side == 0 else 1.0:.2f}x",
+            ])
+        print(markdown_table(["run", "images/s", "output tok/s", "vs HF"], rows))
+        print(f"identical to HF: {identical}/{args.lines * args.repeats} lines", flush=True)
+
+        batch = make_batch(args, args.seed)  # round 0's lines, whose HF tokens are known
+        rows = []
+        for label, cache_tokens in (("encoder cache on", None), ("encoder cache off", 0)):
+            extra = {} if cache_tokens is None else {"encoder_cache_tokens": cache_tokens}
+            chunked = LLM(str(folder), max_num_batched_tokens=args.chunk_tokens, max_num_seqs=args.lines, **extra,
+                          **options)
+            result = run_conveyor(chunked, batch, args)
+            stats = chunked.engine.stats()
+            lookups = stats.images_encoded + stats.encoder_cache_hits
+            same = sum(a == b for a, b in zip(result.tokens, rounds[0][1].tokens))
+            rows.append([
+                label, result.images, stats.images_encoded, stats.encoder_cache_hits,
+                f"{stats.encoder_cache_hits / lookups:.0%}" if lookups else "n/a", f"{same}/{args.lines}",
+            ])
+        print(f"chunked prefill: max_num_batched_tokens={args.chunk_tokens}, {placeholders} image tokens per image")
+        print(markdown_table(
+            ["run", "images", "encoder runs", "encoder cache hits", "hit rate", "identical to HF"], rows
+        ))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""The images benchmark at the tests' tiny LLaVA shape: `python -m bench.vision` prints both tables, conveyor's tokens
+equal HF's batched `generate`, and the chunked run reuses encoder outputs only with the encoder cache on."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_vision_bench_prints_the_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import vision
+
+    vision.main([
+        "--shape", "tiny", "--lines", "4", "--max-tokens", "4", "--repeats", "1", "--chunk-tokens", "5",
+        "--hf-batch-size", "2",
+    ])
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    rows = [row for row in rows if not row[0].startswith(":-")]  # the tables' rules
+    assert [row[0] for row in rows] == [
+        "run", "conveyor", "HF generate, batches of 2", "run", "encoder cache on", "encoder cache off"
+    ]
+    assert "identical to HF: 4/4 lines" in out
+    on, off = rows[4], rows[5]
+    assert on[1] == off[1] == on[2] == "2"  # two image lines, each encoded once with the cache
+    assert int(on[3]) > 0 and off[3] == "0" and int(off[2]) > 2  # without it, every chunk reaching an image encodes it
+    assert on[-1] == off[-1] == "4/4"
