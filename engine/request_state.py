@@ -50,12 +50,9 @@ class Request:
     error: str | None = None  # why the request could not run (its constraint did not compile)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        if self.beams is not None:
-            return self.beams.done
-        return all(s.finish_reason is not None for s in self.samples)
+    # Samples still to fork from the first when its prompt reaches its first token (n or best_of, less one);
+    # 0 with beam search, whose beams fork as the search goes
+    siblings_to_fork: int = 0
 
 
 @dataclass(frozen=True)
