@@ -183,7 +183,9 @@ class BlockManager:
         while len(table) * self.block_size < stop:
             table.append(self._take_empty())
 
-    def update(self, computed: list[Sequence], forks: list[tuple[Sequence, Sequence]], finished: list[Sequence]) -> None:
+    def update(
+        self, computed: list[Sequence], forks: list[tuple[Sequence, Sequence]], finished: list[Sequence]
+    ) -> None:
         """A step's block bookkeeping, in this order: the `computed` sequences offer their newly full blocks to the
         prefix cache, each (parent, child) of `forks` shares its parent's blocks, the `finished` free theirs."""
         for seq in computed:

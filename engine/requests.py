@@ -350,7 +350,9 @@ class Requests:
         sample = Sample(
             seq=seq,
             detokenizer=(
-                IncrementalDetokenizer(self._tokenizer, seq.prompt_token_ids, tuple(params.stop), params.include_stop_str_in_output)
+                IncrementalDetokenizer(
+                    self._tokenizer, seq.prompt_token_ids, tuple(params.stop), params.include_stop_str_in_output
+                )
                 if needs_text_early and self._tokenizer is not None
                 else None
             ),

@@ -77,10 +77,7 @@ class SchedulerOutput:
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block)
     blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (device block, device block)
     adapter_loads: tuple[tuple[int, str], ...] = ()  # (slot, adapter name): LoRA weights to copy in before the step
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    num_batched_tokens: int = 0  # tokens computed this step: the scheduled chunks' lengths summed
 
     @property
     def is_empty(self) -> bool:
@@ -225,6 +222,7 @@ class Scheduler:
             blocks_to_swap_in=tuple(swap_in),
             blocks_to_copy=tuple(self.block_manager.take_copies()),
             adapter_loads=tuple(self._adapter_loads),
+            num_batched_tokens=sum(item.num_new_tokens for item in scheduled),
         )
 
     def _make_room(
