@@ -10,7 +10,9 @@ recorded); step 2 decodes. The walk is the sequence of project files holding the
 frame, consecutive repeats merged; the model's layers and the kernels (engine/models/, attention.py,
 parallel_layers.py, cuda_graphs.py, kernels/) count as one stop, "model and kernels", since the step only hands
 them tensors. Printed per step: files visited, moves between files, returns to a file already left, and the
-files returned to most. Plain counts of code paths, so they do not depend on the machine.
+files returned to most; and, of those returns, how many come once the runner has stepped (from the call of
+`Requests.update` on: the step's update path, apart from the runner, the model and the sampler). Plain counts
+of code paths, so they do not depend on the machine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from bench.common import run_cli
 from engine import SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.requests import Requests
 from engine.scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +60,8 @@ class WalkTracer:
         self._nodes: dict[str, str | None] = {}
         self._read: set[CodeType] = set()
         self._skipping = 0  # the depth inside a call to a function already read
+        self.marker: CodeType | None = None  # a function whose first call's place in the walk is kept
+        self.marked_at: int | None = None
 
     def _node(self, frame: FrameType | None) -> str | None:
         while frame is not None:
@@ -77,6 +82,8 @@ class WalkTracer:
             return
         if event == "call":
             code = frame.f_code
+            if code is self.marker and self.marked_at is None:
+                self.marked_at = len(self.walk)
             if code in self._read:
                 self._skipping = 1
                 return
@@ -90,7 +97,7 @@ class WalkTracer:
 
     def start(self, unread: set[CodeType]) -> None:
         """`unread`: functions whose calls the walk passes over, as if already read."""
-        self.walk, self._read, self._skipping = [], set(unread), 0
+        self.walk, self._read, self._skipping, self.marked_at = [], set(unread), 0, None
         sys.setprofile(self._profile)
 
     def stop(self) -> list[str]:
@@ -98,14 +105,21 @@ class WalkTracer:
         return self.walk
 
 
-def summarize(walk: list[str]) -> dict[str, Any]:
+def summarize(walk: list[str], since: int | None = None) -> dict[str, Any]:
+    """`since`: a walk index; "returns_since" counts the returns from there on."""
     seen: set[str] = set()
     returns: Counter[str] = Counter()
-    for node in walk:
+    returns_since = 0
+    for index, node in enumerate(walk):
         if node in seen:
             returns[node] += 1
+            if since is not None and index >= since:
+                returns_since += 1
         seen.add(node)
-    return {"files": len(seen), "moves": max(0, len(walk) - 1), "returns": sum(returns.values()), "most": returns.most_common(4)}
+    return {
+        "files": len(seen), "moves": max(0, len(walk) - 1), "returns": sum(returns.values()),
+        "most": returns.most_common(4), "returns_since": returns_since,
+    }
 
 
 def build_engine() -> LLMEngine:
@@ -127,8 +141,12 @@ def build_engine() -> LLMEngine:
 def run(args: argparse.Namespace) -> None:
     engine = build_engine()
     tracer = WalkTracer()
-    print("| step | files visited | moves between files | returns to a file already left | returned to most |")
-    print("|---|---|---|---|---|")
+    tracer.marker = Requests.update.__code__
+    print(
+        "| step | files visited | moves between files | returns to a file already left | of which in the update "
+        "| returned to most |"
+    )
+    print("|---|---|---|---|---|---|")
     totals = Counter()
     for step in (1, 2):
         tracer.start({Scheduler.schedule.__code__})
@@ -136,13 +154,19 @@ def run(args: argparse.Namespace) -> None:
             engine.step()
         finally:
             walk = tracer.stop()
-        summary = summarize(walk)
-        totals.update({"moves": summary["moves"], "returns": summary["returns"]})
+        summary = summarize(walk, tracer.marked_at)
+        totals.update({"moves": summary["moves"], "returns": summary["returns"], "update": summary["returns_since"]})
         most = ", ".join(f"{name} {count}" for name, count in summary["most"])
-        print(f"| {step} | {summary['files']} | {summary['moves']} | {summary['returns']} | {most} |")
+        print(
+            f"| {step} | {summary['files']} | {summary['moves']} | {summary['returns']} | {summary['returns_since']} "
+            f"| {most} |"
+        )
         if args.show_walk:
             print(" -> ".join(walk))
-    print(f"\nboth steps: {totals['moves']} moves, {totals['returns']} returns to a file already left")
+    print(
+        f"\nboth steps: {totals['moves']} moves, {totals['returns']} returns to a file already left "
+        f"({totals['update']} of them in the update)"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -193,6 +193,18 @@ class BlockManager:
         while len(table) * self.block_size < stop:
             table.append(self._take_empty())
 
+    def update(
+        self, computed: list[Sequence], forks: list[tuple[Sequence, Sequence]], finished: list[Sequence]
+    ) -> None:
+        """A step's block bookkeeping, in this order: the `computed` sequences offer their newly full blocks to the
+        prefix cache, each (parent, child) of `forks` shares its parent's blocks, the `finished` free theirs."""
+        for seq in computed:
+            self.cache_full_blocks(seq)
+        for parent, child in forks:
+            self.fork(parent, child)
+        for seq in finished:
+            self.free(seq.seq_id)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; the first write into a shared block copies it.
         It inherits the names of the computed full blocks only: its later tokens may differ."""

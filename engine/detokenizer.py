@@ -9,34 +9,34 @@ that text is held back until the character completes: text is never cut inside a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from engine.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 6  # prompt tokens kept as decoding context for the first generated tokens
 
 
+@dataclass
 class IncrementalDetokenizer:
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: Sequence[int],
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        self.text = ""
-        self.stop = tuple(stop)
-        self.include_stop = include_stop_str_in_output
-        # While unfinished, a tail this long may still turn out to begin a stop string that is then cut.
-        self._held_back = 0 if include_stop_str_in_output else max((len(s) for s in self.stop), default=1) - 1
+    """One sequence's text so far. Plain data: its decoding window starts, at the first `append`, with the
+    prompt's last few tokens as context."""
+
+    tokenizer: Tokenizer
+    prompt_token_ids: Sequence[int]
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False  # include_stop_str_in_output
+    text: str = ""
+    _ids: list[int] = field(default_factory=list)  # the decoding window: context, then the output
+    _prefix_offset: int = 0  # _ids[_prefix_offset:_read_offset] decode to the text's last part
+    _read_offset: int = -1  # -1: the window has no context yet
 
     def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Add one generated token. Returns the stop string that matched, if one did (then `text`
         has been cut just before it, or just after it with include_stop_str_in_output). With
         check_stop False (before min_tokens, as vLLM) the text only grows."""
+        if self._read_offset < 0:
+            self._ids = list(self.prompt_token_ids[-_CONTEXT_TOKENS:])
+            self._read_offset = len(self._ids)
         self._ids.append(token_id)
         prefix_text = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self.tokenizer.decode(self._ids[self._prefix_offset :])
@@ -50,9 +50,11 @@ class IncrementalDetokenizer:
     def output_text(self, finished: bool) -> str:
         """`text` less, while unfinished, the tail that could still become a cut stop string (as vLLM
         does), so that streamed snapshots only ever grow."""
-        if finished:
+        if finished or self.include_stop:
             return self.text
-        return self.text[: max(0, len(self.text) - self._held_back)]
+        # While unfinished, a tail this long may still turn out to begin a stop string that is then cut.
+        held_back = max((len(stop) for stop in self.stop), default=1) - 1
+        return self.text[: max(0, len(self.text) - held_back)]
 
     def _find_stop(self, new_from: int) -> str | None:
         # A stop string must end in the new text: earlier text was searched already, or came before

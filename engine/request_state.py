@@ -52,12 +52,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     images: tuple[PlacedImage, ...] = ()  # its prompt images, placed among prompt_token_ids (every sample's)
-
-    @property
-    def finished(self) -> bool:
-        if self.beams is not None:
-            return self.beams.done
-        return all(s.finish_reason is not None for s in self.samples)
+    # Samples still to fork from the first when its prompt reaches its first token (n or best_of, less one);
+    # 0 with beam search, whose beams fork as the search goes
+    siblings_to_fork: int = 0
 
 
 @dataclass(frozen=True)

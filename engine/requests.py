@@ -44,6 +44,12 @@ from engine.tokenizer import Tokenizer
 MatcherFactory = Callable[[Any, list[int]], Any]
 
 
+def _is_finished(request: Request) -> bool:
+    if request.beams is not None:
+        return request.beams.done
+    return all(sample.finish_reason is not None for sample in request.samples)
+
+
 class Requests:
     """The requests in flight, by id, with their samples. Single-threaded, like the engine that holds it."""
 
@@ -88,6 +94,7 @@ class Requests:
         request = Request(
             request_id, list(prompt_token_ids), params, stream, priority, self._arrivals, base_seed, grammar=grammar,
             prompt_logprobs=PromptLogprobsRecord() if params.prompt_logprobs is not None else None, images=images,
+            siblings_to_fork=0 if params.use_beam_search else params.num_sequences - 1,
         )
         self._arrivals += 1
         if params.use_beam_search:
@@ -156,11 +163,9 @@ class Requests:
     def batch(self, out: SchedulerOutput) -> StepBatch:
         samples = [self._samples[item.seq_id] for item in out.scheduled if item.needs_sample]
         requests = [self._requests[sample.seq.request_id] for sample in samples]
-        # Beams take one row each: their next tokens are chosen from all the request's beams' log-probs.
-        fanout = [
-            1 if request.beams is not None else request.params.num_sequences - len(request.samples) + 1
-            for request in requests
-        ]
+        # A prompt reaching its first token samples once for each sample (its siblings fork then); beams take one
+        # row each: their next tokens are chosen from all the request's beams' log-probs.
+        fanout = [1 + request.siblings_to_fork for request in requests]
         rows = [
             SamplingRow(
                 params=sample.seq.params,
@@ -218,6 +223,7 @@ class Requests:
             seq.output_token_ids.append(token_ids[first_row])
             # The siblings fork before the parent's matcher accepts its token.
             siblings = [self._fork(seq, seq.output_token_ids[:-1] + [token_ids[first_row + k]]) for k in range(1, count)]
+            request.siblings_to_fork -= len(siblings)
             for row, each in enumerate([sample, *siblings], start=first_row):
                 self._accept(each, token_ids[row], token_logprobs[row], top, row)
 
@@ -225,7 +231,7 @@ class Requests:
         for request in touched.values():
             if request.beams is not None and len(request.beams.pending) == len(request.samples):
                 self._advance_beams(request)
-            if request.finished:
+            if _is_finished(request):
                 outputs.append(self._finalize(request))
             elif request.stream:
                 outputs.append(self._snapshot(request))
@@ -268,7 +274,8 @@ class Requests:
         elif stop_string is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop_string
         if sample.finish_reason is None and (
-            (params.max_tokens is not None and num_output >= params.max_tokens) or seq.num_tokens >= self._max_model_len
+            (params.max_tokens is not None and num_output >= params.max_tokens)
+            or len(seq.prompt_token_ids) + num_output >= self._max_model_len
         ):
             sample.finish_reason = "length"
         if sample.finish_reason is not None:
@@ -301,7 +308,7 @@ class Requests:
         live = list(request.samples)  # forks append to request.samples
         params, first = request.params, live[0].seq
         is_last = (params.max_tokens is not None and len(first.output_token_ids) + 1 >= params.max_tokens) or (
-            first.num_tokens + 1 >= self._max_model_len
+            len(request.prompt_token_ids) + len(first.output_token_ids) + 1 >= self._max_model_len
         )
         current = [Beam(tuple(sample.seq.output_token_ids), sample.cumulative_logprob) for sample in live]
         next_beams = beams.advance([sample.seq.seq_id for sample in live], current, is_last)
@@ -345,7 +352,9 @@ class Requests:
         sample = Sample(
             seq=seq,
             detokenizer=(
-                IncrementalDetokenizer(self._tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output)
+                IncrementalDetokenizer(
+                    self._tokenizer, seq.prompt_token_ids, tuple(params.stop), params.include_stop_str_in_output
+                )
                 if needs_text_early and self._tokenizer is not None
                 else None
             ),
@@ -418,7 +427,7 @@ class Requests:
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
-            finished=request.finished,
+            finished=_is_finished(request),
             num_cached_tokens=max((sample.seq.num_cached_tokens or 0 for sample in request.samples), default=0),
             error=request.error,
             prompt_logprobs=list(request.prompt_logprobs.positions) if request.prompt_logprobs is not None else None,

@@ -79,10 +79,7 @@ class SchedulerOutput:
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block)
     blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (device block, device block)
     adapter_loads: tuple[tuple[int, str], ...] = ()  # (slot, adapter name): LoRA weights to copy in before the step
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    num_batched_tokens: int = 0  # tokens computed this step: the scheduled chunks' lengths summed
 
     @property
     def is_empty(self) -> bool:
@@ -102,7 +99,8 @@ class SchedulerCounters:
 
 
 def _schedule_key(seq: Sequence) -> tuple[int, int]:
-    return seq.schedule_key
+    """Sort key of every queue: smaller runs earlier (priority, then arrival); the largest is the first victim."""
+    return (seq.priority, seq.arrival_order)
 
 
 def _priority(seq: Sequence) -> int:
@@ -131,7 +129,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.long_rope_threshold = long_rope_threshold
-        # All queues are kept sorted by Sequence.schedule_key (priority, then arrival).
+        # All queues are kept sorted by _schedule_key (priority, then arrival).
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -166,11 +164,6 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         self.add(seq)
-
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence forked from a running one: it already holds (shared) blocks."""
-        seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, seq, key=_schedule_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -231,6 +224,7 @@ class Scheduler:
             blocks_to_swap_in=tuple(swap_in),
             blocks_to_copy=tuple(self.block_manager.take_copies()),
             adapter_loads=tuple(self._adapter_loads),
+            num_batched_tokens=sum(item.num_new_tokens for item in scheduled),
         )
 
     def _make_room(
@@ -437,32 +431,40 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, seqs: list[Sequence], forks: list[tuple[Sequence, Sequence]],
                finished: list[Sequence]) -> None:
-        """A step's consequences for the KV cache, told once by engine/requests.py (which appends the tokens and
-        decides forks and finishes): the scheduled `seqs` (in `output.scheduled`'s order) advance their computed
-        counts and offer newly full blocks to the prefix cache; each (parent, child) of `forks` joins its parent;
-        then the `finished` free their blocks (a parent among them, its first token a stop, was forked first)."""
+        """A step's consequences, told once by engine/requests.py (which appends the tokens and decides forks and
+        finishes): the scheduled `seqs` (in `output.scheduled`'s order) advance their computed counts, each (parent,
+        child) of `forks` joins its parent, the `finished` leave their queues; then one block-manager call does the
+        blocks (a parent among the finished, its first token a stop, is forked before it is freed)."""
         for item, seq in zip(output.scheduled, seqs):
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-        for parent, child in forks:
-            self.fork(parent, child)
+        sharing = [(parent, child) for parent, child in forks if self._queue_fork(parent, child)]
         for seq in finished:
-            self.finish(seq)
+            self._dequeue(seq)
+        self.block_manager.update(seqs, sharing, finished)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Queue `child`, a new sample whose tokens are parent's computed ones plus one more: beside a running
-        parent it shares parent's blocks; a parent parked in the host pool or preempted (a beam) leaves the child
-        to compute, from the prefix cache."""
-        if parent.status is SequenceStatus.RUNNING:
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.last_scheduled_step = parent.last_scheduled_step
+        """Queue `child`, a new sample whose tokens are parent's computed ones plus one more (see `_queue_fork`)."""
+        if self._queue_fork(parent, child):
             self.block_manager.fork(parent, child)
-            self.add_running(child)
-        else:
-            self.add(child)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and return its blocks (in both pools) now."""
+        self._dequeue(seq)
+        self.block_manager.free(seq.seq_id)
+
+    def _queue_fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Queue a forked `child`. Beside a running parent it runs at once on parent's blocks (True: the caller has
+        the block manager share them); a parent parked in the host pool or preempted (a beam) leaves the child to
+        compute, from the prefix cache (False)."""
+        if parent.status is not SequenceStatus.RUNNING:
+            self.add(child)
+            return False
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.last_scheduled_step, child.status = parent.last_scheduled_step, SequenceStatus.RUNNING
+        bisect.insort(self.running, child, key=_schedule_key)
+        return True
+
+    def _dequeue(self, seq: Sequence) -> None:
         queue = {
             SequenceStatus.RUNNING: self.running,
             SequenceStatus.WAITING: self.waiting,
@@ -471,4 +473,3 @@ class Scheduler:
         if queue is not None:
             queue.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.block_manager.free(seq.seq_id)

@@ -58,8 +58,3 @@ class Sequence:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : stop - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
-
-    @property
-    def schedule_key(self) -> tuple[int, int]:
-        """Sort key: smaller runs earlier; the largest key is the first preemption victim."""
-        return (self.priority, self.arrival_order)
