@@ -3,8 +3,9 @@
 - validate: each input line is a document (`parse_document_line`); a bad line, a repeated id or a URI outside the
   project's inbox becomes an error record `{"doc_id", "error": {"code", "message"}}`, the others are cut into
   chunks of `CONVEYOR_RAG_DOCUMENTS_PER_CHUNK` documents.
-- run_chunk: reads its documents (inline text, or the inbox object through the `ObjectStore` and `extract_text`),
-  turns them into `PassageRecord`s with a `DocumentProcessor` (the worker's embedder, the engine for contexts, the
+- run_chunk: reads its documents (inline text, or the inbox object through the `ObjectStore` and `extract_text`;
+  with `pdf_mode` "pages", a PDF's pages transcribed by the engine, `jobs.rag.pages`, each failed page an error record
+  `{"doc_id", "page", "error"}` while the others go on), turns them into `PassageRecord`s with a `DocumentProcessor` (the worker's embedder, the engine for contexts, the
   project's passage cache), and returns the Parquet part as the chunk's output object, its `ProcessingStats` for that
   object's metadata beside the document counts.
 - finalize: merges the parts into one Parquet file and writes the manifest (options, counts, models, files).
@@ -28,6 +29,7 @@ from jobs.models import Batch, File, FilePurpose, utcnow
 from jobs.object_keys import file_key, inbox_key, rag_cache_prefix
 from jobs.rag.contextualize import engine_context_generator
 from jobs.rag.documents import DocumentError, S3Uri, SourceDocument, extract_text, parse_document_line
+from jobs.rag.pages import PageError, transcribe_pdf
 from jobs.rag.jobs import manifest_file_id
 from jobs.rag.processing import (
     PassageRecord,
@@ -56,6 +58,12 @@ def document_error_record(doc_id: str | None, code: str, message: str) -> bytes:
     return json.dumps({"doc_id": doc_id, "error": {"code": code, "message": message}}).encode() + b"\n"
 
 
+def page_error_record(doc_id: str, error: PageError) -> bytes:
+    """A page that failed while the document's other pages went on: the document's error record, naming the page."""
+    record = {"doc_id": doc_id, "page": error.page, "error": {"code": error.code, "message": error.message}}
+    return json.dumps(record).encode() + b"\n"
+
+
 def inbox_object_key(uri: S3Uri, s3: S3Settings, project_id: str) -> str:
     """The store key of a document URI, which must lie inside the project's inbox; a DocumentError otherwise."""
     inbox = s3.prefix + inbox_key(project_id, "")
@@ -70,10 +78,11 @@ def inbox_object_key(uri: S3Uri, s3: S3Settings, project_id: str) -> str:
 class DocumentLines:
     """A RAG job's input lines, as `jobs.run.split.InputLines`: one document each."""
 
-    def __init__(self, s3: S3Settings, project_id: str, per_chunk: int) -> None:
+    def __init__(self, s3: S3Settings, project_id: str, per_chunk: int, refused: tuple[str, str] | None = None) -> None:
         self.s3 = s3
         self.project_id = project_id
         self.per_chunk = per_chunk
+        self._refused = refused  # (code, message) failing the whole job: options this worker cannot run
         self._seen_ids: set[str] = set()  # ids are the rows' keys in the output: each names one document
 
     def check(self, line_number: LineNumber, line: bytes) -> RequestId | RejectedLine:
@@ -95,7 +104,7 @@ class DocumentLines:
         return document.id
 
     def refusal(self, tally: ValidationTally) -> tuple[str, str] | None:
-        return None  # a RAG job may hold any number of documents
+        return self._refused  # a RAG job may hold any number of documents
 
     def expired_record(self, request_id: RequestId) -> bytes:
         return expired_document_record(request_id)
@@ -120,7 +129,9 @@ class _ReadDocuments:
 
     inputs: list[DocumentInput] = field(default_factory=list)
     lines: list[bytes] = field(default_factory=list)  # inputs[i] came from lines[i]
-    errors: list[bytes] = field(default_factory=list)
+    errors: list[bytes] = field(default_factory=list)  # one per document that failed
+    page_errors: list[bytes] = field(default_factory=list)  # one per failed page of a PDF read as pages
+    failed_by_pages: int = 0  # documents none of whose pages was transcribed (their records are in page_errors)
     unread: list[bytes] = field(default_factory=list)  # left unread: the job stopped
     stopped: StopReason | None = None
 
@@ -146,7 +157,18 @@ class RagKind:
         self._splitter_lock = threading.Lock()
 
     def input_lines(self, batch: Batch) -> DocumentLines:
-        return DocumentLines(self.settings.s3, batch.project_id, self.settings.rag_documents_per_chunk)
+        refused = None
+        if batch.rag_options is not None and batch.rag_options.get("pdf_mode") == "pages" and not self._reads_images:
+            refused = (
+                "model_not_multimodal",
+                f"pdf_mode 'pages' needs a vision-language model to transcribe the pages; this worker's model, "
+                f"{self.engine.model_name!r}, does not take images",
+            )
+        return DocumentLines(self.settings.s3, batch.project_id, self.settings.rag_documents_per_chunk, refused)
+
+    @property
+    def _reads_images(self) -> bool:
+        return bool(self.engine.loop.engine.accepts_images)
 
     # -----------------------------------------------------------------------------------------------------
     # run_chunk
@@ -171,13 +193,15 @@ class RagKind:
             processed = min(processed + step, len(read.inputs))
             stopped = self.stop_flags.reason(job.id)
         errors = read.errors
+        failed = len(errors) + read.failed_by_pages
         if stopped == StopReason.expired:  # when cancelled, as for batches: what did not run leaves no record
-            errors += [expired_document_record(json.loads(line)["id"]) for line in read.lines[processed:] + read.unread]
+            expired = [expired_document_record(json.loads(line)["id"]) for line in read.lines[processed:] + read.unread]
+            errors, failed = errors + expired, failed + len(expired)
         return ChunkResult(
             output=write_parquet_bytes(records),
-            errors=b"".join(errors),
+            errors=b"".join(errors + read.page_errors),
             completed=processed,
-            failed=len(errors),
+            failed=failed,
             metadata={STATS_METADATA_KEY: json.dumps(dataclasses.asdict(processor.stats))},
         )
 
@@ -193,7 +217,7 @@ class RagKind:
                 read.errors.append(document_error_record(None, "invalid_document", str(invalid)))
                 continue
             try:
-                text = self._text_of(document, job.project_id)
+                text, page_errors = self._text_of(document, job)
             except ObjectNotFound:
                 read.errors.append(document_error_record(document.id, "document_not_found", f"no object at {document.uri}"))
                 continue
@@ -203,16 +227,34 @@ class RagKind:
             except DocumentError as unreadable:
                 read.errors.append(document_error_record(document.id, "unreadable_document", str(unreadable)))
                 continue
+            read.page_errors += [page_error_record(document.id, error) for error in page_errors]
+            if text is None:  # a PDF read as pages, none of them transcribed: its pages' records say why
+                read.failed_by_pages += 1
+                continue
             read.inputs.append((document.id, text, document.metadata))
             read.lines.append(line)
         return read
 
-    def _text_of(self, document: SourceDocument, project_id: str) -> str:
+    def _text_of(self, document: SourceDocument, job: Batch) -> tuple[str | None, list[PageError]]:
+        """The document's text and its failed pages; None for the text of a PDF read as pages none of which was
+        transcribed."""
         if document.uri is None:
             assert document.text is not None  # a document line has one of the two
-            return document.text
-        data = self.store.read_bytes(inbox_object_key(document.uri, self.settings.s3, project_id))
-        return extract_text(document.uri.filename, data)
+            return document.text, []
+        data = self.store.read_bytes(inbox_object_key(document.uri, self.settings.s3, job.project_id))
+        filename = document.uri.filename
+        assert job.rag_options is not None
+        options = RagOptions.from_json(job.rag_options)
+        if options.pdf_mode != "pages" or not filename.lower().endswith(".pdf"):
+            return extract_text(filename, data), []
+        transcription = transcribe_pdf(
+            self.engine, filename, data, options, priority=job.priority,
+            window=self.settings.image_lines_in_flight, max_pixels=self.settings.image_max_pixels,
+        )
+        if transcription.pages == 0:
+            raise DocumentError(f"{filename}: the PDF has no pages")
+        transcribed = transcription.pages - len(transcription.page_errors)
+        return (transcription.text if transcribed else None), transcription.page_errors
 
     def _processor(self, options: RagOptions, job: Batch) -> DocumentProcessor:
         generate_contexts = (
@@ -281,7 +323,7 @@ class RagKind:
             "input_prefix": job.input_prefix,
             "options": job.rag_options,
             "embedding_model": options.embedding_model,
-            "generation_model": self.engine.model_name if options.contextualize else None,
+            "generation_model": self.engine.model_name if options.contextualize or options.pdf_mode == "pages" else None,
             "counts": {
                 "documents": job.total_requests,
                 "documents_completed": job.completed_requests,
