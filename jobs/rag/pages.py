@@ -19,7 +19,8 @@ follows. Generation is greedy, `options.page_max_tokens` tokens at most per page
 
 A page that cannot be rendered (`page_unreadable`), whose pixels pass the deployment's image limit
 (`page_too_large`), or that the engine refuses or fails (`page_transcription_failed`) is one `PageError`; the other
-pages go on. A PDF that cannot be opened at all is a `DocumentError`, as in text mode. An engine that failed whole
+pages go on. As for an image line, the page's prompt with its image's placeholders and `page_max_tokens` must fit
+the model's context. A PDF that cannot be opened at all is a `DocumentError`, as in text mode. An engine that failed whole
 (`EngineFailed`) is no page's fault: it is raised, and the chunk goes back to the queue.
 """
 
@@ -141,6 +142,7 @@ def transcribe_pdf(
     prompt = tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
     params = SamplingParams(temperature=0.0, max_tokens=options.page_max_tokens)
     loop = engine.loop
+    placer = loop.engine
     transcribed: list[tuple[int, str]] = []
     errors: list[PageError] = []
     in_flight: deque[tuple[int, RequestHandle]] = deque()
@@ -161,9 +163,23 @@ def transcribe_pdf(
             if isinstance(rendered, PageError):
                 errors.append(rendered)
                 continue
-            # submit preprocesses the pixels here, on this thread; the engine keeps those, not the rendered image
-            in_flight.append((number, loop.submit(prompt, params, priority=priority, images=(ImageInput(rendered),))))
-            del rendered
+            # The pixels are preprocessed here, on this thread (not the engine's); the engine keeps those, not the image.
+            try:
+                expanded, placed = placer.place_images(list(prompt), [ImageInput(rendered)])
+            except ValueError as refused:  # the model's preprocessing refuses the picture
+                errors.append(PageError(number, "page_transcription_failed", f"page {number}: {refused}"))
+                continue
+            finally:
+                del rendered
+            if len(expanded) + options.page_max_tokens > placer.max_model_len:
+                errors.append(PageError(
+                    number, "page_transcription_failed",
+                    f"page {number}: its prompt has {len(expanded)} tokens with the image's placeholders and "
+                    f"page_max_tokens is {options.page_max_tokens}, more than the model's context of "
+                    f"{placer.max_model_len} tokens; lower page_max_tokens or page_dpi",
+                ))
+                continue
+            in_flight.append((number, loop.submit(expanded, params, priority=priority, images=placed)))
             while len(in_flight) >= window:
                 collect_oldest()
         while in_flight:

@@ -1,0 +1,151 @@
+"""RAG documents read as pages (`pdf_mode: "pages"`, jobs/rag/pages.py): a PDF made here with Pillow, rendered by
+pypdfium2 and transcribed by a tiny random LLaVA-1.5 (its transcriptions are random words: the structure is what is
+checked), then split and embedded by the real embedding model, with the real S3 store and Redis stop flags."""
+
+from __future__ import annotations
+
+import io
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageDraw
+from redis import Redis
+
+from engine.embedder import Embedder
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from engine.model_registry import DEFAULT_EMBEDDING_MODEL
+from engine.multimodal.inputs import ImageInput
+from engine.sampling_params import SamplingParams
+from jobs.lazy_embedder import LazyEmbedder
+from jobs.models import Batch
+from jobs.object_keys import inbox_key
+from jobs.rag.kind import RagKind
+from jobs.rag.pages import assemble, page_marker, page_messages
+from jobs.rag.processing import RagOptions, read_parquet_bytes
+from jobs.run.kinds import EngineHandle
+from jobs.run.split import ValidationTally
+from jobs.served_models import ModelNames, process_models
+from jobs.settings import S3Settings, Settings
+from jobs.stop_flags import StopFlags
+from jobs.storage import ObjectStore
+
+pytestmark = pytest.mark.slow  # a tiny LLaVA and the embedding model
+
+DPI = 36  # half of PDF's 72 points per inch: small pages for the tiny model
+
+
+def page(seed: int, width: int, height: int) -> Image.Image:
+    picture = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(picture)
+    draw.text((8, 8 + seed * 10), f"Section {seed}", fill="black")
+    draw.rectangle((10, 40, 10 + 15 * seed, 60 + 5 * seed), fill=(40 * seed, 0, 120))
+    return picture
+
+
+def pdf_of(pages: list[Image.Image]) -> bytes:
+    """A PDF with one page per picture, each page as many points as the picture has pixels (72 dpi)."""
+    out = io.BytesIO()
+    pages[0].save(out, format="PDF", resolution=72.0, save_all=True, append_images=pages[1:])
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def llava_engine(llava_folder: Path) -> Iterator[EngineHandle]:
+    loop = EngineLoop.build(lambda: LLMEngine(str(llava_folder), dtype="float32", device="cpu"))
+    assert loop.engine.tokenizer is not None
+    served = ModelNames(process_models([loop.engine.model_name], DEFAULT_EMBEDDING_MODEL, accepts_images=True), {})
+    yield EngineHandle(
+        loop, loop.engine.tokenizer, loop.engine.max_model_len, loop.engine.model_name, served,
+        loop.engine.admission_limits,
+    )
+    loop.stop()
+
+
+@pytest.fixture
+def stop_flags() -> Iterator[StopFlags]:
+    redis = Redis.from_url("redis://127.0.0.1:6379/0")
+    yield StopFlags(redis, f"test-pages-{secrets.token_hex(4)}:")
+    redis.close()
+
+
+def job(options: RagOptions) -> Batch:
+    return Batch(
+        id=f"ragjob_{secrets.token_hex(6)}", project_id="proj_pages", endpoint="/v1/rag/jobs", priority=0,
+        rag_options=options.to_json(),
+    )
+
+
+def test_pdf_pages_are_transcribed_split_and_embedded_and_a_failed_page_is_the_documents_error(
+    llava_engine: EngineHandle, stop_flags: StopFlags, object_store: ObjectStore, s3_settings: S3Settings
+) -> None:
+    """Three pages, the second a poster over the pixel limit: pages 1 and 3 are transcribed, each exactly as the engine
+    answers that page rendered alike, and assembled after their markers; the passages' offsets point into that
+    transcription; page 2 is an error record naming the page while the document completes. With more tokens per page
+    than the model's context, every page is refused: the document fails by its pages' records."""
+    import pypdfium2
+
+    pictures = [page(1, 120, 160), page(2, 600, 600), page(3, 120, 160)]
+    data = pdf_of(pictures)
+    object_store.put_bytes(inbox_key("proj_pages", "report.pdf"), data)
+    uri = f"s3://{s3_settings.bucket}/{s3_settings.prefix}{inbox_key('proj_pages', 'report.pdf')}"
+    # page 2 at 36 dpi is 300 x 300 = 90000 pixels, over the limit; pages 1 and 3 are 60 x 80
+    settings = Settings(s3=s3_settings, image_max_pixels=20_000, image_lines_in_flight=1)
+    embedder = LazyEmbedder(DEFAULT_EMBEDDING_MODEL, lambda: Embedder(DEFAULT_EMBEDDING_MODEL))
+    kind = RagKind(settings=settings, store=object_store, stop_flags=stop_flags, engine=llava_engine, embedder=embedder)
+    options = RagOptions(pdf_mode="pages", page_dpi=DPI, page_max_tokens=12, chunk_tokens=16, overlap_tokens=0)
+    lines = [(1, json.dumps({"id": "report", "uri": uri}).encode()), (2, b'{"id": "note", "text": "a plain note"}')]
+
+    rag_job = job(options)
+    assert kind.input_lines(rag_job).refusal(ValidationTally()) is None  # the worker's model reads images
+    result = kind.run_chunk(rag_job, 0, lines)
+    assert (result.completed, result.failed) == (2, 0)
+    [error] = [json.loads(row) for row in result.errors.splitlines()]
+    assert (error["doc_id"], error["page"], error["error"]["code"]) == ("report", 2, "page_too_large")
+
+    # The oracle: each page rendered by pypdfium2 at the same resolution, asked of the engine with the same prompt.
+    tokenizer = llava_engine.tokenizer
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(page_messages(), add_generation_prompt=True), add_special_tokens=False)
+    pdf = pypdfium2.PdfDocument(data)
+    answers = {}
+    for number in (1, 3):
+        rendered = pdf[number - 1].render(scale=DPI / 72).to_pil().convert("RGB")
+        assert rendered.size == (60, 80)
+        handle = llava_engine.loop.submit(
+            prompt, SamplingParams(temperature=0.0, max_tokens=12), images=(ImageInput(rendered),)
+        )
+        answers[number] = handle.result().outputs[0].text
+    pdf.close()
+    assert answers[1].strip() and answers[1] != answers[3]  # the pages' images, not the prompt alone, decide
+    transcription = assemble([(1, answers[1]), (3, answers[3])])
+    assert page_marker(1) in transcription and page_marker(3) in transcription and page_marker(2) not in transcription
+
+    records = read_parquet_bytes(result.output)
+    report = [record for record in records if record.doc_id == "report"]
+    assert report and [record.chunk_index for record in report] == list(range(len(report)))
+    for record in report:
+        assert transcription[record.char_start : record.char_end] == record.text
+    assert report[-1].char_end == len(transcription.rstrip())
+    assert [record.text for record in records if record.doc_id == "note"] == ["a plain note"]  # other files as before
+
+    # Every page refused by the engine (more tokens asked than the context holds): the document fails, page by page.
+    too_long = RagOptions(pdf_mode="pages", page_dpi=DPI, page_max_tokens=llava_engine.max_model_len + 1)
+    result = kind.run_chunk(job(too_long), 0, lines[:1])
+    assert (result.completed, result.failed) == (0, 1)
+    errors = [json.loads(row) for row in result.errors.splitlines()]
+    assert [(e["page"], e["error"]["code"]) for e in errors] == [
+        (1, "page_transcription_failed"), (2, "page_too_large"), (3, "page_transcription_failed")
+    ]
+    assert read_parquet_bytes(result.output) == []
+
+
+def test_pages_need_a_vision_model_and_valid_options() -> None:
+    with pytest.raises(ValueError, match="pdf_mode must be one of"):
+        RagOptions(pdf_mode="images")
+    with pytest.raises(ValueError, match="page_dpi must be between 36 and 300"):
+        RagOptions(pdf_mode="pages", page_dpi=600)
+    with pytest.raises(ValueError, match="page_max_tokens"):
+        RagOptions(page_max_tokens=0)
