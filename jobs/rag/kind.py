@@ -26,7 +26,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from jobs.models import Batch, File, FilePurpose, utcnow
-from jobs.object_keys import file_key, inbox_key, rag_cache_prefix
+from jobs.files import derived_file_id
+from jobs.object_keys import chunk_transcriptions_key, file_key, inbox_key, rag_cache_prefix
 from jobs.rag.contextualize import engine_context_generator
 from jobs.rag.documents import DocumentError, S3Uri, SourceDocument, extract_text, parse_document_line
 from jobs.rag.pages import PageError, transcribe_pdf
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
     from jobs.lazy_embedder import LazyEmbedder
 
 STATS_METADATA_KEY = "stats"  # the chunk output object's metadata entry holding its ProcessingStats as JSON
+# The chunk output object's metadata entry naming its page transcriptions' object; absent when it transcribed none.
+TRANSCRIPTIONS_METADATA_KEY = "transcriptions"
 
 
 def document_error_record(doc_id: str | None, code: str, message: str) -> bytes:
@@ -132,6 +135,8 @@ class _ReadDocuments:
     errors: list[bytes] = field(default_factory=list)  # one per document that failed
     page_errors: list[bytes] = field(default_factory=list)  # one per failed page of a PDF read as pages
     failed_by_pages: int = 0  # documents none of whose pages was transcribed (their records are in page_errors)
+    # {"doc_id", "pages", "text"} of each PDF read as pages: the text passages' offsets point into
+    transcriptions: list[bytes] = field(default_factory=list)
     unread: list[bytes] = field(default_factory=list)  # left unread: the job stopped
     stopped: StopReason | None = None
 
@@ -197,12 +202,17 @@ class RagKind:
         if stopped == StopReason.expired:  # when cancelled, as for batches: what did not run leaves no record
             expired = [expired_document_record(json.loads(line)["id"]) for line in read.lines[processed:] + read.unread]
             errors, failed = errors + expired, failed + len(expired)
+        metadata = {STATS_METADATA_KEY: json.dumps(dataclasses.asdict(processor.stats))}
+        if read.transcriptions:
+            key = chunk_transcriptions_key(job.id, chunk_index)
+            self.store.put_bytes(key, b"".join(read.transcriptions))  # a retried chunk writes the same object again
+            metadata[TRANSCRIPTIONS_METADATA_KEY] = key
         return ChunkResult(
             output=write_parquet_bytes(records),
             errors=b"".join(errors + read.page_errors),
             completed=processed,
             failed=failed,
-            metadata={STATS_METADATA_KEY: json.dumps(dataclasses.asdict(processor.stats))},
+            metadata=metadata,
         )
 
     def _read_documents(self, job: Batch, lines: list[bytes]) -> _ReadDocuments:
@@ -217,7 +227,7 @@ class RagKind:
                 read.errors.append(document_error_record(None, "invalid_document", str(invalid)))
                 continue
             try:
-                text, page_errors = self._text_of(document, job)
+                text, page_errors, pages = self._text_of(document, job)
             except ObjectNotFound:
                 read.errors.append(document_error_record(document.id, "document_not_found", f"no object at {document.uri}"))
                 continue
@@ -228,6 +238,9 @@ class RagKind:
                 read.errors.append(document_error_record(document.id, "unreadable_document", str(unreadable)))
                 continue
             read.page_errors += [page_error_record(document.id, error) for error in page_errors]
+            if pages is not None:
+                record = {"doc_id": document.id, "pages": pages, "text": text}
+                read.transcriptions.append(json.dumps(record, ensure_ascii=False).encode() + b"\n")
             if text is None:  # a PDF read as pages, none of them transcribed: its pages' records say why
                 read.failed_by_pages += 1
                 continue
@@ -235,18 +248,18 @@ class RagKind:
             read.lines.append(line)
         return read
 
-    def _text_of(self, document: SourceDocument, job: Batch) -> tuple[str | None, list[PageError]]:
-        """The document's text and its failed pages; None for the text of a PDF read as pages none of which was
-        transcribed."""
+    def _text_of(self, document: SourceDocument, job: Batch) -> tuple[str | None, list[PageError], int | None]:
+        """The document's text, its failed pages and, for a PDF read as pages, its number of pages (None otherwise);
+        None for the text of a PDF read as pages none of which was transcribed."""
         if document.uri is None:
             assert document.text is not None  # a document line has one of the two
-            return document.text, []
+            return document.text, [], None
         data = self.store.read_bytes(inbox_object_key(document.uri, self.settings.s3, job.project_id))
         filename = document.uri.filename
         assert job.rag_options is not None
         options = RagOptions.from_json(job.rag_options)
         if options.pdf_mode != "pages" or not filename.lower().endswith(".pdf"):
-            return extract_text(filename, data), []
+            return extract_text(filename, data), [], None
         transcription = transcribe_pdf(
             self.engine, filename, data, options, priority=job.priority,
             window=self.settings.image_lines_in_flight, max_pixels=self.settings.image_max_pixels,
@@ -254,7 +267,7 @@ class RagKind:
         if transcription.pages == 0:
             raise DocumentError(f"{filename}: the PDF has no pages")
         transcribed = transcription.pages - len(transcription.page_errors)
-        return (transcription.text if transcribed else None), transcription.page_errors
+        return (transcription.text if transcribed else None), transcription.page_errors, transcription.pages
 
     def _processor(self, options: RagOptions, job: Batch) -> DocumentProcessor:
         generate_contexts = (
@@ -315,6 +328,7 @@ class RagKind:
         assert job.rag_options is not None
         options = RagOptions.from_json(job.rag_options)
         stats = self._summed_stats(finished.output_keys)
+        transcriptions = self._transcriptions_file(finished) if options.pdf_mode == "pages" else None
         manifest: dict[str, Any] = {
             "object": "rag.manifest",
             "job_id": job.id,
@@ -338,21 +352,41 @@ class RagKind:
             "finished_at": _iso(utcnow()),
             "output_file_id": output_file_id,
             "error_file_id": error_file_id,
+            # pdf_mode "pages": JSONL, {"doc_id", "pages", "text"} per PDF, the text passages' offsets point into
+            "transcriptions_file_id": None if transcriptions is None else transcriptions.id,
         }
         file_id = manifest_file_id(job.id)
         key = file_key(job.project_id, file_id, "json")
         data = json.dumps(manifest, indent=2).encode()
         self.store.put_bytes(key, data)
-        return [
-            File(
-                id=file_id,
-                project_id=job.project_id,
-                filename=f"{job.id}_manifest.json",
-                purpose=FilePurpose.batch_output,
-                bytes=len(data),
-                object_key=key,
-            )
-        ]
+        manifest_file = File(
+            id=file_id,
+            project_id=job.project_id,
+            filename=f"{job.id}_manifest.json",
+            purpose=FilePurpose.batch_output,
+            bytes=len(data),
+            object_key=key,
+        )
+        return [manifest_file] if transcriptions is None else [manifest_file, transcriptions]
+
+    def _transcriptions_file(self, finished: FinishedChunks) -> File:
+        """The chunks' page transcriptions, in chunk order, as one JSONL file (empty when no PDF was read)."""
+        job = finished.batch
+        file_id = derived_file_id(job.id, "transcriptions")
+        key = file_key(job.project_id, file_id, "jsonl")
+        with self.store.upload_stream(key) as upload:
+            for part in finished.output_keys:
+                info = self.store.head(part)
+                if info is not None and TRANSCRIPTIONS_METADATA_KEY in info.metadata:
+                    upload.write(self.store.read_bytes(info.metadata[TRANSCRIPTIONS_METADATA_KEY]))
+        return File(
+            id=file_id,
+            project_id=job.project_id,
+            filename=f"{job.id}_transcriptions.jsonl",
+            purpose=FilePurpose.batch_output,
+            bytes=upload.bytes_written,
+            object_key=key,
+        )
 
     def _summed_stats(self, part_keys: list[str]) -> ProcessingStats:
         total = ProcessingStats()

@@ -21,12 +21,14 @@ from engine.model_registry import DEFAULT_EMBEDDING_MODEL
 from engine.multimodal.inputs import ImageInput
 from engine.sampling_params import SamplingParams
 from jobs.lazy_embedder import LazyEmbedder
-from jobs.models import Batch
+from jobs.models import Batch, utcnow
 from jobs.object_keys import inbox_key
 from jobs.rag.kind import RagKind
 from jobs.rag.pages import assemble, page_marker, page_messages
 from jobs.rag.processing import RagOptions, read_parquet_bytes
-from jobs.run.kinds import EngineHandle
+from jobs.object_keys import chunk_output_key
+from jobs.run.kinds import EngineHandle, FinishedChunks
+from jobs.run.ledger import write_chunk_result
 from jobs.run.split import ValidationTally
 from jobs.served_models import ModelNames, process_models
 from jobs.settings import S3Settings, Settings
@@ -75,7 +77,7 @@ def stop_flags() -> Iterator[StopFlags]:
 def job(options: RagOptions) -> Batch:
     return Batch(
         id=f"ragjob_{secrets.token_hex(6)}", project_id="proj_pages", endpoint="/v1/rag/jobs", priority=0,
-        rag_options=options.to_json(),
+        rag_options=options.to_json(), created_at=utcnow(), total_requests=2, completed_requests=2,
     )
 
 
@@ -130,6 +132,16 @@ def test_pdf_pages_are_transcribed_split_and_embedded_and_a_failed_page_is_the_d
         assert transcription[record.char_start : record.char_end] == record.text
     assert report[-1].char_end == len(transcription.rstrip())
     assert [record.text for record in records if record.doc_id == "note"] == ["a plain note"]  # other files as before
+
+    # Finalize's transcriptions file gives the client the text the offsets point into; the manifest names it.
+    write_chunk_result(object_store, rag_job.id, 0, result)
+    finished = FinishedChunks(rag_job, [chunk_output_key(rag_job.id, 0)], None)
+    manifest_file, transcriptions_file = kind.report_files(finished, failed=0, output_file_id=None, error_file_id=None)
+    manifest = json.loads(object_store.read_bytes(manifest_file.object_key))
+    assert manifest["transcriptions_file_id"] == transcriptions_file.id
+    assert manifest["generation_model"] == llava_engine.model_name
+    rows = [json.loads(row) for row in object_store.read_bytes(transcriptions_file.object_key).splitlines()]
+    assert rows == [{"doc_id": "report", "pages": 3, "text": transcription}]  # the plain note is no PDF: not there
 
     # Every page refused by the engine (more tokens asked than the context holds): the document fails, page by page.
     too_long = RagOptions(pdf_mode="pages", page_dpi=DPI, page_max_tokens=llava_engine.max_model_len + 1)
