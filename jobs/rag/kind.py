@@ -30,7 +30,7 @@ from jobs.files import derived_file_id
 from jobs.object_keys import chunk_transcriptions_key, file_key, inbox_key, rag_cache_prefix
 from jobs.rag.contextualize import engine_context_generator
 from jobs.rag.documents import DocumentError, S3Uri, SourceDocument, extract_text, parse_document_line
-from jobs.rag.pages import PageError, transcribe_pdf
+from jobs.rag.pages import PageError, TranscriptionStopped, transcribe_pdf
 from jobs.rag.jobs import manifest_file_id
 from jobs.rag.processing import (
     PassageRecord,
@@ -228,6 +228,9 @@ class RagKind:
                 continue
             try:
                 text, page_errors, pages = self._text_of(document, job)
+            except TranscriptionStopped:  # the job stopped within a PDF's pages: the document is left unread
+                read.unread, read.stopped = lines[position:], self.stop_flags.reason(job.id)
+                break
             except ObjectNotFound:
                 read.errors.append(document_error_record(document.id, "document_not_found", f"no object at {document.uri}"))
                 continue
@@ -263,6 +266,7 @@ class RagKind:
         transcription = transcribe_pdf(
             self.engine, filename, data, options, priority=job.priority,
             window=self.settings.image_lines_in_flight, max_pixels=self.settings.image_max_pixels,
+            stopped=lambda: self.stop_flags.reason(job.id) is not None,
         )
         if transcription.pages == 0:
             raise DocumentError(f"{filename}: the PDF has no pages")

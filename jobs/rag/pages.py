@@ -8,8 +8,8 @@ embedded, and passages' offsets point into it.
 
 Rendering is pypdfium2 (PDFium, the renderer of Chrome; Apache-2.0/BSD, wheels for every platform that bundle the
 library): pdf2image would need poppler installed on the host, a system dependency of every worker image, and PyMuPDF
-is AGPL. Pages are rendered at `options.page_dpi`, one at a time on the chunk's thread (PDFium is not thread-safe),
-and at most `window` pages of a document are in the engine at once: each page's pixels live only until the engine
+is AGPL. Pages are rendered at `options.page_dpi`, one at a time on the chunk's thread (PDFium is not thread-safe: a
+lock serializes the calls of a worker's chunks), and at most `window` pages of a document are in the engine at once: each page's pixels live only until the engine
 has preprocessed them, so a 500-page PDF costs `window` pages of memory, not 500.
 
 Every page's prompt is the same: `PAGE_PROMPT` as a system message, then a user turn holding the page's image alone.
@@ -26,8 +26,9 @@ the model's context. A PDF that cannot be opened at all is a `DocumentError`, as
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -50,6 +51,14 @@ PAGE_PROMPT = (
 )
 PageErrorCode = Literal["page_unreadable", "page_too_large", "page_transcription_failed"]
 POINTS_PER_INCH = 72  # PDF's unit of page size
+# PDFium is not thread-safe, and a worker runs chunks on several threads: every call into it holds this lock (a page's
+# rendering, not its wait in the engine).
+_PDFIUM_LOCK = threading.Lock()
+
+
+class TranscriptionStopped(Exception):
+    """The job was stopped (cancelled, expired) while its document's pages were transcribed; its pages in the engine
+    were aborted."""
 
 
 @dataclass(frozen=True)
@@ -92,17 +101,21 @@ def render_pages(filename: str, data: bytes, dpi: int, max_pixels: int) -> Itera
     import pypdfium2  # imported on first use: processes that never render a page need no PDFium
 
     try:
-        pdf = pypdfium2.PdfDocument(data)
+        with _PDFIUM_LOCK:
+            pdf = pypdfium2.PdfDocument(data)
+            count = len(pdf)
     except pypdfium2.PdfiumError as error:
         if "password" in str(error).lower():
             raise DocumentError(f"{filename}: the PDF is protected by a password; upload it decrypted") from None
         raise DocumentError(f"{filename}: not a readable PDF ({error})") from None
     try:
-        count = len(pdf)
         for index in range(count):
-            yield index + 1, _render(pdf, index, dpi, max_pixels)
+            with _PDFIUM_LOCK:
+                rendered = _render(pdf, index, dpi, max_pixels)
+            yield index + 1, rendered
     finally:
-        pdf.close()
+        with _PDFIUM_LOCK:
+            pdf.close()
 
 
 def _render(pdf: object, index: int, dpi: int, max_pixels: int) -> Image | PageError:
@@ -134,9 +147,18 @@ def _render(pdf: object, index: int, dpi: int, max_pixels: int) -> Image | PageE
 
 
 def transcribe_pdf(
-    engine: EngineHandle, filename: str, data: bytes, options: RagOptions, *, priority: int, window: int, max_pixels: int
+    engine: EngineHandle,
+    filename: str,
+    data: bytes,
+    options: RagOptions,
+    *,
+    priority: int,
+    window: int,
+    max_pixels: int,
+    stopped: Callable[[], bool],
 ) -> Transcription:
-    """The document's pages transcribed by `engine` (which must read images), at most `window` pages in it at once."""
+    """The document's pages transcribed by `engine` (which must read images), at most `window` pages in it at once.
+    `stopped` is asked before each page: a long PDF of a cancelled job stops within a page (`TranscriptionStopped`)."""
     tokenizer = engine.tokenizer
     text = tokenizer.apply_chat_template(page_messages(), add_generation_prompt=True)
     prompt = tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
@@ -160,6 +182,8 @@ def transcribe_pdf(
     try:
         for number, rendered in render_pages(filename, data, options.page_dpi, max_pixels):
             pages = number
+            if stopped():
+                raise TranscriptionStopped(f"{filename}: stopped at page {number}")
             if isinstance(rendered, PageError):
                 errors.append(rendered)
                 continue

@@ -233,6 +233,7 @@ def test_rag_job_requests_are_checked_and_a_job_can_be_cancelled(stack: Stack) -
         ({"input_prefix": "empty/"}, "input_prefix"),
         ({"input_file_id": upload.id, "options": {"chunk_tokens": 32, "overlap_tokens": 32}}, "options"),
         ({"input_file_id": upload.id, "options": {"context_prompt": "no placeholders"}}, "options"),
+        ({"input_file_id": upload.id, "options": {"pdf_mode": "pages", "page_dpi": 10}}, "options"),
         ({"input_file_id": upload.id, "options": {"embedding_model": "another-model"}}, "options.embedding_model"),
         ({"input_file_id": upload.id, "completion_window": "1h"}, "completion_window"),
     ]

@@ -24,7 +24,7 @@ from jobs.lazy_embedder import LazyEmbedder
 from jobs.models import Batch, utcnow
 from jobs.object_keys import inbox_key
 from jobs.rag.kind import RagKind
-from jobs.rag.pages import assemble, page_marker, page_messages
+from jobs.rag.pages import TranscriptionStopped, assemble, page_marker, page_messages, transcribe_pdf
 from jobs.rag.processing import RagOptions, read_parquet_bytes
 from jobs.object_keys import chunk_output_key
 from jobs.run.kinds import EngineHandle, FinishedChunks
@@ -152,6 +152,14 @@ def test_pdf_pages_are_transcribed_split_and_embedded_and_a_failed_page_is_the_d
         (1, "page_transcription_failed"), (2, "page_too_large"), (3, "page_transcription_failed")
     ]
     assert read_parquet_bytes(result.output) == []
+
+    # A job stopped within a PDF: asked before each page, the stop ends the document there, its pages aborted.
+    asked: list[int] = []
+    with pytest.raises(TranscriptionStopped, match="stopped at page 2"):
+        transcribe_pdf(
+            llava_engine, "report.pdf", data, options, priority=0, window=4, max_pixels=20_000,
+            stopped=lambda: asked.append(1) is None and len(asked) > 1,
+        )
 
 
 def test_pages_need_a_vision_model_and_valid_options() -> None:
