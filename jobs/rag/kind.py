@@ -20,6 +20,7 @@ import dataclasses
 import json
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -137,6 +138,8 @@ class _ReadDocuments:
     failed_by_pages: int = 0  # documents none of whose pages was transcribed (their records are in page_errors)
     # {"doc_id", "pages", "text"} of each PDF read as pages: the text passages' offsets point into
     transcriptions: list[bytes] = field(default_factory=list)
+    pages_transcribed: int = 0
+    transcription_seconds: float = 0.0
     unread: list[bytes] = field(default_factory=list)  # left unread: the job stopped
     stopped: StopReason | None = None
 
@@ -190,6 +193,9 @@ class RagKind:
         processor = self._processor(options, job)
         lines = [line for _, line in numbered_lines]
         read = self._read_documents(job, lines)
+        processor.stats.pages_transcribed += read.pages_transcribed
+        processor.stats.pages_failed += len(read.page_errors)
+        processor.stats.transcription_seconds += read.transcription_seconds
         records: list[PassageRecord] = []
         step = 1 if options.contextualize else max(1, len(read.inputs))
         processed, stopped = 0, read.stopped
@@ -226,6 +232,7 @@ class RagKind:
             except DocumentError as invalid:  # validate accepted the line: only a changed parser refuses it now
                 read.errors.append(document_error_record(None, "invalid_document", str(invalid)))
                 continue
+            started = time.perf_counter()
             try:
                 text, page_errors, pages = self._text_of(document, job)
             except TranscriptionStopped:  # the job stopped within a PDF's pages: the document is left unread
@@ -242,6 +249,8 @@ class RagKind:
                 continue
             read.page_errors += [page_error_record(document.id, error) for error in page_errors]
             if pages is not None:
+                read.transcription_seconds += time.perf_counter() - started
+                read.pages_transcribed += pages - len(page_errors)
                 record = {"doc_id": document.id, "pages": pages, "text": text}
                 read.transcriptions.append(json.dumps(record, ensure_ascii=False).encode() + b"\n")
             if text is None:  # a PDF read as pages, none of them transcribed: its pages' records say why
@@ -350,8 +359,14 @@ class RagKind:
                 "chunks": stats.chunks,
                 "chunks_embedded": stats.chunks_embedded,
                 "contexts_generated": stats.contexts_generated,
+                "pages_transcribed": stats.pages_transcribed,
+                "pages_failed": stats.pages_failed,
             },
-            "seconds": {"embedding": round(stats.embedding_seconds, 3), "contexts": round(stats.context_seconds, 3)},
+            "seconds": {
+                "embedding": round(stats.embedding_seconds, 3),
+                "contexts": round(stats.context_seconds, 3),
+                "transcription": round(stats.transcription_seconds, 3),
+            },
             "created_at": _iso(job.created_at),
             "finished_at": _iso(utcnow()),
             "output_file_id": output_file_id,

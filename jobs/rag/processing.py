@@ -325,6 +325,9 @@ class ProcessingStats:
     chunks: int = 0  # records returned
     chunks_embedded: int = 0  # embedded by this processor (not from the cache)
     contexts_generated: int = 0
+    pages_transcribed: int = 0  # PDF pages read as pages (`pdf_mode` "pages", counted by the RAG kind)
+    pages_failed: int = 0
+    transcription_seconds: float = 0.0
     embedding_seconds: float = 0.0
     context_seconds: float = 0.0
 

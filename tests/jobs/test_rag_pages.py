@@ -140,6 +140,7 @@ def test_pdf_pages_are_transcribed_split_and_embedded_and_a_failed_page_is_the_d
     manifest = json.loads(object_store.read_bytes(manifest_file.object_key))
     assert manifest["transcriptions_file_id"] == transcriptions_file.id
     assert manifest["generation_model"] == llava_engine.model_name
+    assert (manifest["counts"]["pages_transcribed"], manifest["counts"]["pages_failed"]) == (2, 1)
     rows = [json.loads(row) for row in object_store.read_bytes(transcriptions_file.object_key).splitlines()]
     assert rows == [{"doc_id": "report", "pages": 3, "text": transcription}]  # the plain note is no PDF: not there
 
