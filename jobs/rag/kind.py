@@ -4,8 +4,8 @@
   project's inbox becomes an error record `{"doc_id", "error": {"code", "message"}}`, the others are cut into
   chunks of `CONVEYOR_RAG_DOCUMENTS_PER_CHUNK` documents.
 - run_chunk: reads its documents (inline text, or the inbox object through the `ObjectStore` and `extract_text`;
-  with `pdf_mode` "pages", a PDF's pages transcribed by the engine, `jobs.rag.pages`, each failed page an error record
-  `{"doc_id", "page", "error"}` while the others go on), turns them into `PassageRecord`s with a `DocumentProcessor` (the worker's embedder, the engine for contexts, the
+  with `pdf_mode` "pages", a PDF's pages transcribed by the engine, `jobs.rag.pages`, each failed page named in the
+  document's entry of the transcriptions file while the others go on), turns them into `PassageRecord`s with a `DocumentProcessor` (the worker's embedder, the engine for contexts, the
   project's passage cache), and returns the Parquet part as the chunk's output object, its `ProcessingStats` for that
   object's metadata beside the document counts.
 - finalize: merges the parts into one Parquet file and writes the manifest (options, counts, models, files).
@@ -31,7 +31,7 @@ from jobs.files import derived_file_id
 from jobs.object_keys import chunk_transcriptions_key, file_key, inbox_key, rag_cache_prefix
 from jobs.rag.contextualize import engine_context_generator
 from jobs.rag.documents import DocumentError, S3Uri, SourceDocument, extract_text, parse_document_line
-from jobs.rag.pages import PageError, TranscriptionStopped, transcribe_pdf
+from jobs.rag.pages import Transcription, TranscriptionStopped, transcribe_pdf
 from jobs.rag.jobs import manifest_file_id
 from jobs.rag.processing import (
     PassageRecord,
@@ -62,10 +62,23 @@ def document_error_record(doc_id: str | None, code: str, message: str) -> bytes:
     return json.dumps({"doc_id": doc_id, "error": {"code": code, "message": message}}).encode() + b"\n"
 
 
-def page_error_record(doc_id: str, error: PageError) -> bytes:
-    """A page that failed while the document's other pages went on: the document's error record, naming the page."""
-    record = {"doc_id": doc_id, "page": error.page, "error": {"code": error.code, "message": error.message}}
-    return json.dumps(record).encode() + b"\n"
+def transcription_record(doc_id: str, transcription: Transcription) -> bytes:
+    """A PDF read as pages, in the transcriptions file: its text (None when no page was transcribed), and each page
+    that failed, named, while the others went on."""
+    record = {
+        "doc_id": doc_id,
+        "pages": transcription.pages,
+        "text": transcription.text if transcription.transcribed else None,
+        "page_errors": [{"page": e.page, "code": e.code, "message": e.message} for e in transcription.page_errors],
+    }
+    return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+
+
+def no_page_record(doc_id: str, transcription: Transcription) -> bytes:
+    """The error record of a PDF none of whose pages was transcribed: every page's reason, in page order."""
+    reasons = "; ".join(f"{error.code}: {error.message}" for error in transcription.page_errors)
+    message = f"none of the document's {transcription.pages} pages was transcribed ({reasons})"
+    return document_error_record(doc_id, "no_page_transcribed", message)
 
 
 def inbox_object_key(uri: S3Uri, s3: S3Settings, project_id: str) -> str:
@@ -134,11 +147,10 @@ class _ReadDocuments:
     inputs: list[DocumentInput] = field(default_factory=list)
     lines: list[bytes] = field(default_factory=list)  # inputs[i] came from lines[i]
     errors: list[bytes] = field(default_factory=list)  # one per document that failed
-    page_errors: list[bytes] = field(default_factory=list)  # one per failed page of a PDF read as pages
-    failed_by_pages: int = 0  # documents none of whose pages was transcribed (their records are in page_errors)
-    # {"doc_id", "pages", "text"} of each PDF read as pages: the text passages' offsets point into
+    # `transcription_record` of each PDF read as pages: the text passages' offsets point into, and its failed pages
     transcriptions: list[bytes] = field(default_factory=list)
     pages_transcribed: int = 0
+    pages_failed: int = 0
     transcription_seconds: float = 0.0
     unread: list[bytes] = field(default_factory=list)  # left unread: the job stopped
     stopped: StopReason | None = None
@@ -194,7 +206,7 @@ class RagKind:
         lines = [line for _, line in numbered_lines]
         read = self._read_documents(job, lines)
         processor.stats.pages_transcribed += read.pages_transcribed
-        processor.stats.pages_failed += len(read.page_errors)
+        processor.stats.pages_failed += read.pages_failed
         processor.stats.transcription_seconds += read.transcription_seconds
         records: list[PassageRecord] = []
         step = 1 if options.contextualize else max(1, len(read.inputs))
@@ -204,10 +216,8 @@ class RagKind:
             processed = min(processed + step, len(read.inputs))
             stopped = self.stop_flags.reason(job.id)
         errors = read.errors
-        failed = len(errors) + read.failed_by_pages
         if stopped == StopReason.expired:  # when cancelled, as for batches: what did not run leaves no record
-            expired = [expired_document_record(json.loads(line)["id"]) for line in read.lines[processed:] + read.unread]
-            errors, failed = errors + expired, failed + len(expired)
+            errors += [expired_document_record(json.loads(line)["id"]) for line in read.lines[processed:] + read.unread]
         metadata = {STATS_METADATA_KEY: json.dumps(dataclasses.asdict(processor.stats))}
         if read.transcriptions:
             key = chunk_transcriptions_key(job.id, chunk_index)
@@ -215,9 +225,9 @@ class RagKind:
             metadata[TRANSCRIPTIONS_METADATA_KEY] = key
         return ChunkResult(
             output=write_parquet_bytes(records),
-            errors=b"".join(errors + read.page_errors),
+            errors=b"".join(errors),
             completed=processed,
-            failed=failed,
+            failed=len(errors),
             metadata=metadata,
         )
 
@@ -234,7 +244,7 @@ class RagKind:
                 continue
             started = time.perf_counter()
             try:
-                text, page_errors, pages = self._text_of(document, job)
+                text = self._text_of(document, job)
             except TranscriptionStopped:  # the job stopped within a PDF's pages: the document is left unread
                 read.unread, read.stopped = lines[position:], self.stop_flags.reason(job.id)
                 break
@@ -247,40 +257,35 @@ class RagKind:
             except DocumentError as unreadable:
                 read.errors.append(document_error_record(document.id, "unreadable_document", str(unreadable)))
                 continue
-            read.page_errors += [page_error_record(document.id, error) for error in page_errors]
-            if pages is not None:
+            if isinstance(text, Transcription):
                 read.transcription_seconds += time.perf_counter() - started
-                read.pages_transcribed += pages - len(page_errors)
-                record = {"doc_id": document.id, "pages": pages, "text": text}
-                read.transcriptions.append(json.dumps(record, ensure_ascii=False).encode() + b"\n")
-            if text is None:  # a PDF read as pages, none of them transcribed: its pages' records say why
-                read.failed_by_pages += 1
-                continue
+                read.pages_transcribed += text.transcribed
+                read.pages_failed += len(text.page_errors)
+                read.transcriptions.append(transcription_record(document.id, text))
+                if not text.transcribed:
+                    read.errors.append(no_page_record(document.id, text))
+                    continue
+                text = text.text
             read.inputs.append((document.id, text, document.metadata))
             read.lines.append(line)
         return read
 
-    def _text_of(self, document: SourceDocument, job: Batch) -> tuple[str | None, list[PageError], int | None]:
-        """The document's text, its failed pages and, for a PDF read as pages, its number of pages (None otherwise);
-        None for the text of a PDF read as pages none of which was transcribed."""
+    def _text_of(self, document: SourceDocument, job: Batch) -> str | Transcription:
+        """The document's text, or a PDF's transcription when read as pages."""
         if document.uri is None:
             assert document.text is not None  # a document line has one of the two
-            return document.text, [], None
+            return document.text
         data = self.store.read_bytes(inbox_object_key(document.uri, self.settings.s3, job.project_id))
         filename = document.uri.filename
         assert job.rag_options is not None
         options = RagOptions.from_json(job.rag_options)
         if options.pdf_mode != "pages" or not filename.lower().endswith(".pdf"):
-            return extract_text(filename, data), [], None
-        transcription = transcribe_pdf(
+            return extract_text(filename, data)
+        return transcribe_pdf(
             self.engine, filename, data, options, priority=job.priority,
             window=self.settings.image_lines_in_flight, max_pixels=self.settings.image_max_pixels,
             stopped=lambda: self.stop_flags.reason(job.id) is not None,
         )
-        if transcription.pages == 0:
-            raise DocumentError(f"{filename}: the PDF has no pages")
-        transcribed = transcription.pages - len(transcription.page_errors)
-        return (transcription.text if transcribed else None), transcription.page_errors, transcription.pages
 
     def _processor(self, options: RagOptions, job: Batch) -> DocumentProcessor:
         generate_contexts = (

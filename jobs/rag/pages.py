@@ -74,6 +74,11 @@ class Transcription:
     pages: int  # pages in the PDF
     page_errors: list[PageError] = field(default_factory=list)
 
+    @property
+    def transcribed(self) -> int:
+        """Pages transcribed: the document goes on to be split and embedded if there is one."""
+        return self.pages - len(self.page_errors)
+
 
 def page_marker(page: int) -> str:
     """The line before a page's transcription: a Markdown comment (invisible when rendered) naming the page, so a
@@ -213,6 +218,8 @@ def transcribe_pdf(
             if not handle.done():
                 loop.abort(handle.request_id)
         raise
+    if pages == 0:
+        raise DocumentError(f"{filename}: the PDF has no pages")
     transcribed.sort()
     errors.sort(key=lambda error: error.page)
     return Transcription(assemble(transcribed), pages, errors)

@@ -104,9 +104,7 @@ def test_pdf_pages_are_transcribed_split_and_embedded_and_a_failed_page_is_the_d
     rag_job = job(options)
     assert kind.input_lines(rag_job).refusal(ValidationTally()) is None  # the worker's model reads images
     result = kind.run_chunk(rag_job, 0, lines)
-    assert (result.completed, result.failed) == (2, 0)
-    [error] = [json.loads(row) for row in result.errors.splitlines()]
-    assert (error["doc_id"], error["page"], error["error"]["code"]) == ("report", 2, "page_too_large")
+    assert (result.completed, result.failed, result.errors) == (2, 0, b"")  # a page failed, not the document
 
     # The oracle: each page rendered by pypdfium2 at the same resolution, asked of the engine with the same prompt.
     tokenizer = llava_engine.tokenizer
@@ -141,17 +139,21 @@ def test_pdf_pages_are_transcribed_split_and_embedded_and_a_failed_page_is_the_d
     assert manifest["transcriptions_file_id"] == transcriptions_file.id
     assert manifest["generation_model"] == llava_engine.model_name
     assert (manifest["counts"]["pages_transcribed"], manifest["counts"]["pages_failed"]) == (2, 1)
-    rows = [json.loads(row) for row in object_store.read_bytes(transcriptions_file.object_key).splitlines()]
-    assert rows == [{"doc_id": "report", "pages": 3, "text": transcription}]  # the plain note is no PDF: not there
+    [row] = [json.loads(row) for row in object_store.read_bytes(transcriptions_file.object_key).splitlines()]
+    assert (row["doc_id"], row["pages"], row["text"]) == ("report", 3, transcription)  # the note is no PDF: not there
+    [page_error] = row["page_errors"]  # the failed page, named, in its document's entry
+    assert (page_error["page"], page_error["code"]) == (2, "page_too_large") and "lower page_dpi" in page_error["message"]
 
-    # Every page refused by the engine (more tokens asked than the context holds): the document fails, page by page.
+    # Every page refused (more tokens asked than the model's context holds): the document fails, its error record
+    # giving each page's reason in order.
     too_long = RagOptions(pdf_mode="pages", page_dpi=DPI, page_max_tokens=llava_engine.max_model_len + 1)
     result = kind.run_chunk(job(too_long), 0, lines[:1])
     assert (result.completed, result.failed) == (0, 1)
-    errors = [json.loads(row) for row in result.errors.splitlines()]
-    assert [(e["page"], e["error"]["code"]) for e in errors] == [
-        (1, "page_transcription_failed"), (2, "page_too_large"), (3, "page_transcription_failed")
-    ]
+    [error] = [json.loads(row) for row in result.errors.splitlines()]
+    assert (error["doc_id"], error["error"]["code"]) == ("report", "no_page_transcribed")
+    message = error["error"]["message"]
+    assert message.index("page 1:") < message.index("page_too_large: page 2 ") < message.index("page 3:")
+    assert "more than the model's context" in message
     assert read_parquet_bytes(result.output) == []
 
     # A job stopped within a PDF: asked before each page, the stop ends the document there, its pages aborted.
