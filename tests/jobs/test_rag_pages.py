@@ -24,7 +24,7 @@ from jobs.lazy_embedder import LazyEmbedder
 from jobs.models import Batch, utcnow
 from jobs.object_keys import inbox_key
 from jobs.rag.kind import RagKind
-from jobs.rag.pages import TranscriptionStopped, assemble, page_marker, page_messages, transcribe_pdf
+from jobs.rag.pages import PAGE_PROMPT, TranscriptionStopped, assemble, page_marker, page_messages, transcribe_pdf
 from jobs.rag.processing import RagOptions, read_parquet_bytes
 from jobs.object_keys import chunk_output_key
 from jobs.run.kinds import EngineHandle, FinishedChunks
@@ -103,7 +103,12 @@ def test_pdf_pages_are_transcribed_split_and_embedded_and_a_failed_page_is_the_d
 
     rag_job = job(options)
     assert kind.input_lines(rag_job).refusal(ValidationTally()) is None  # the worker's model reads images
+    hits_before = llava_engine.loop.engine.stats().prefix_cache_hit_tokens
     result = kind.run_chunk(rag_job, 0, lines)
+    # Every page's prompt starts with the same instructions, before the image: page 3 reads them from the prefix cache.
+    rendered_prompt = llava_engine.tokenizer.apply_chat_template(page_messages(), add_generation_prompt=True)
+    assert rendered_prompt.index(PAGE_PROMPT) < rendered_prompt.index("<image>")
+    assert llava_engine.loop.engine.stats().prefix_cache_hit_tokens - hits_before >= 16  # a whole block at least
     assert (result.completed, result.failed, result.errors) == (2, 0, b"")  # a page failed, not the document
 
     # The oracle: each page rendered by pypdfium2 at the same resolution, asked of the engine with the same prompt.
