@@ -31,7 +31,7 @@ from jobs.files import derived_file_id
 from jobs.object_keys import chunk_transcriptions_key, file_key, inbox_key, rag_cache_prefix
 from jobs.rag.contextualize import engine_context_generator
 from jobs.rag.documents import DocumentError, S3Uri, SourceDocument, extract_text, parse_document_line
-from jobs.rag.pages import Transcription, TranscriptionStopped, transcribe_pdf
+from jobs.rag.pages import Transcription, TranscriptionStopped, transcribe_pdf, transcription_cache_key
 from jobs.rag.jobs import manifest_file_id
 from jobs.rag.processing import (
     PassageRecord,
@@ -151,6 +151,7 @@ class _ReadDocuments:
     transcriptions: list[bytes] = field(default_factory=list)
     pages_transcribed: int = 0
     pages_failed: int = 0
+    pages_from_cache: int = 0
     transcription_seconds: float = 0.0
     unread: list[bytes] = field(default_factory=list)  # left unread: the job stopped
     stopped: StopReason | None = None
@@ -207,6 +208,7 @@ class RagKind:
         read = self._read_documents(job, lines)
         processor.stats.pages_transcribed += read.pages_transcribed
         processor.stats.pages_failed += read.pages_failed
+        processor.stats.pages_from_cache += read.pages_from_cache
         processor.stats.transcription_seconds += read.transcription_seconds
         records: list[PassageRecord] = []
         step = 1 if options.contextualize else max(1, len(read.inputs))
@@ -259,7 +261,10 @@ class RagKind:
                 continue
             if isinstance(text, Transcription):
                 read.transcription_seconds += time.perf_counter() - started
-                read.pages_transcribed += text.transcribed
+                if text.from_cache:
+                    read.pages_from_cache += text.pages
+                else:
+                    read.pages_transcribed += text.transcribed
                 read.pages_failed += len(text.page_errors)
                 read.transcriptions.append(transcription_record(document.id, text))
                 if not text.transcribed:
@@ -281,11 +286,31 @@ class RagKind:
         options = RagOptions.from_json(job.rag_options)
         if options.pdf_mode != "pages" or not filename.lower().endswith(".pdf"):
             return extract_text(filename, data)
-        return transcribe_pdf(
+        # Transcribing is the costly part of a re-run: a PDF all of whose pages were transcribed before, with the same
+        # model and page settings, is read from the project's cache (one whose pages failed is not kept: the failure
+        # may have been the engine's, and a re-run should try again).
+        cache_key = f"{rag_cache_prefix(job.project_id)}transcriptions/"
+        cache_key += f"{transcription_cache_key(data, options, self.engine.model_name)}.json"
+        cached = self._cached_transcription(cache_key)
+        if cached is not None:
+            return cached
+        transcription = transcribe_pdf(
             self.engine, filename, data, options, priority=job.priority,
             window=self.settings.image_lines_in_flight, max_pixels=self.settings.image_max_pixels,
             stopped=lambda: self.stop_flags.reason(job.id) is not None,
         )
+        if not transcription.page_errors:
+            self.store.put_bytes(cache_key, json.dumps({"pages": transcription.pages, "text": transcription.text}).encode())
+        return transcription
+
+    def _cached_transcription(self, key: str) -> Transcription | None:
+        try:
+            entry = json.loads(self.store.read_bytes(key))
+            return Transcription(entry["text"], entry["pages"], from_cache=True)
+        except ObjectNotFound:
+            return None
+        except (ValueError, KeyError, TypeError):  # a damaged entry is a miss, overwritten by the fresh transcription
+            return None
 
     def _processor(self, options: RagOptions, job: Batch) -> DocumentProcessor:
         generate_contexts = (
@@ -366,6 +391,7 @@ class RagKind:
                 "contexts_generated": stats.contexts_generated,
                 "pages_transcribed": stats.pages_transcribed,
                 "pages_failed": stats.pages_failed,
+                "pages_from_cache": stats.pages_from_cache,
             },
             "seconds": {
                 "embedding": round(stats.embedding_seconds, 3),

@@ -26,6 +26,8 @@ the model's context. A PDF that cannot be opened at all is a `DocumentError`, as
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -49,6 +51,8 @@ PAGE_PROMPT = (
     "lists, tables (as Markdown tables) and the text of figures' captions; write formulas in LaTeX. "
     "Answer with the transcription alone, without comments."
 )
+# Bump when rendering, the prompt's chat or the assembly changes: cached transcriptions no longer match a fresh one.
+TRANSCRIPTION_VERSION = 1
 PageErrorCode = Literal["page_unreadable", "page_too_large", "page_transcription_failed"]
 POINTS_PER_INCH = 72  # PDF's unit of page size
 # PDFium is not thread-safe, and a worker runs chunks on several threads: every call into it holds this lock (a page's
@@ -73,11 +77,25 @@ class Transcription:
     text: str
     pages: int  # pages in the PDF
     page_errors: list[PageError] = field(default_factory=list)
+    from_cache: bool = False  # read from the transcription cache, not computed now
 
     @property
     def transcribed(self) -> int:
         """Pages transcribed: the document goes on to be split and embedded if there is one."""
         return self.pages - len(self.page_errors)
+
+
+def transcription_cache_key(data: bytes, options: RagOptions, model_name: str) -> str:
+    """What a PDF's transcription depends on: its bytes, the page prompt, the rendering, the tokens allowed and the
+    model (generation is greedy, so the same inputs give the same text)."""
+    settings = {
+        "version": TRANSCRIPTION_VERSION, "prompt": PAGE_PROMPT, "dpi": options.page_dpi,
+        "max_tokens": options.page_max_tokens, "model": model_name,
+    }
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode("utf-8"))
+    digest.update(b"\0")
+    digest.update(data)
+    return digest.hexdigest()
 
 
 def page_marker(page: int) -> str:

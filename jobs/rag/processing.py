@@ -327,6 +327,7 @@ class ProcessingStats:
     contexts_generated: int = 0
     pages_transcribed: int = 0  # PDF pages read as pages (`pdf_mode` "pages", counted by the RAG kind)
     pages_failed: int = 0
+    pages_from_cache: int = 0  # in PDFs whose transcription came from the cache
     transcription_seconds: float = 0.0
     embedding_seconds: float = 0.0
     context_seconds: float = 0.0

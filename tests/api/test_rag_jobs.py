@@ -166,7 +166,7 @@ def test_rag_jobs_turn_inbox_files_and_document_lines_into_parquet_chunks(
     assert manifest["counts"] == {
         "documents": 4, "documents_completed": 3, "documents_failed": 1, "documents_from_cache": 0,
         "chunks": table.num_rows, "chunks_embedded": table.num_rows, "contexts_generated": 0,
-        "pages_transcribed": 0, "pages_failed": 0,
+        "pages_transcribed": 0, "pages_failed": 0, "pages_from_cache": 0,
     }
     assert manifest["embedding_model"] == stack.settings.embedding_model and manifest["generation_model"] is None
     assert (manifest["output_file_id"], manifest["error_file_id"]) == (done["output_file_id"], done["error_file_id"])

@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from jobs.lazy_embedder import LazyEmbedder
 from jobs.models import Batch, utcnow
 from jobs.object_keys import inbox_key
-from jobs.rag.kind import RagKind
+from jobs.rag.kind import STATS_METADATA_KEY, RagKind
 from jobs.rag.pages import PAGE_PROMPT, TranscriptionStopped, assemble, page_marker, page_messages, transcribe_pdf
 from jobs.rag.processing import RagOptions, read_parquet_bytes
 from jobs.object_keys import chunk_output_key
@@ -148,6 +148,17 @@ def test_pdf_pages_are_transcribed_split_and_embedded_and_a_failed_page_is_the_d
     assert (row["doc_id"], row["pages"], row["text"]) == ("report", 3, transcription)  # the note is no PDF: not there
     [page_error] = row["page_errors"]  # the failed page, named, in its document's entry
     assert (page_error["page"], page_error["code"]) == (2, "page_too_large") and "lower page_dpi" in page_error["message"]
+
+    # A PDF all of whose pages were transcribed is kept in the project's cache: the same PDF in another job with the
+    # same model and page settings costs no engine request and gives the same passages.
+    object_store.put_bytes(inbox_key("proj_pages", "clean.pdf"), pdf_of([pictures[0], pictures[2]]))
+    clean = [(1, json.dumps({"id": "clean", "uri": uri.replace("report.pdf", "clean.pdf")}).encode())]
+    first, second = kind.run_chunk(job(options), 0, clean), kind.run_chunk(job(options), 0, clean)
+    stats = [json.loads(run.metadata[STATS_METADATA_KEY]) for run in (first, second)]
+    assert [(s["pages_transcribed"], s["pages_from_cache"]) for s in stats] == [(2, 0), (0, 2)]
+    assert read_parquet_bytes(second.output) == read_parquet_bytes(first.output) != []
+    clean_transcription = assemble([(1, answers[1]), (2, answers[3])])  # the same pictures, numbered 1 and 2 here
+    assert all(clean_transcription[r.char_start : r.char_end] == r.text for r in read_parquet_bytes(first.output))
 
     # Every page refused (more tokens asked than the model's context holds): the document fails, its error record
     # giving each page's reason in order.
