@@ -221,6 +221,13 @@ class RagJobOptions(BaseModel):
     context_prompt: str | None = Field(default=None, description="template with {document} and {chunk}")
     context_max_tokens: int | None = Field(default=None, description="generated tokens per context (96)")
     embedding_model: str | None = Field(default=None, description="must be the service's (the default)")
+    pdf_mode: Literal["text", "pages"] | None = Field(
+        default=None,
+        description="PDFs read by their text layer ('text', the default) or as pages transcribed to Markdown by the "
+        "worker's vision-language model ('pages'; a worker whose model reads no images fails the job)",
+    )
+    page_dpi: int | None = Field(default=None, description="resolution pages are rendered at, 36 to 300 (144)")
+    page_max_tokens: int | None = Field(default=None, description="generated tokens per page's transcription (1024)")
 
 
 class CreateRagJob(BaseModel):

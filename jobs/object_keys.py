@@ -21,6 +21,11 @@ def chunk_output_key(batch_id: str, index: int) -> str:
     return f"{batch_prefix(batch_id)}chunks/{index:06d}.output.jsonl"
 
 
+def chunk_transcriptions_key(batch_id: str, index: int) -> str:
+    """A RAG chunk's page transcriptions (`pdf_mode` "pages"), written before its output object names it."""
+    return f"{batch_prefix(batch_id)}chunks/{index:06d}.transcriptions.jsonl"
+
+
 def chunk_errors_key(batch_id: str, index: int) -> str:
     return f"{batch_prefix(batch_id)}chunks/{index:06d}.errors.jsonl"
 

@@ -3,8 +3,9 @@
 - validate: each input line is a document (`parse_document_line`); a bad line, a repeated id or a URI outside the
   project's inbox becomes an error record `{"doc_id", "error": {"code", "message"}}`, the others are cut into
   chunks of `CONVEYOR_RAG_DOCUMENTS_PER_CHUNK` documents.
-- run_chunk: reads its documents (inline text, or the inbox object through the `ObjectStore` and `extract_text`),
-  turns them into `PassageRecord`s with a `DocumentProcessor` (the worker's embedder, the engine for contexts, the
+- run_chunk: reads its documents (inline text, or the inbox object through the `ObjectStore` and `extract_text`;
+  with `pdf_mode` "pages", a PDF's pages transcribed by the engine, `jobs.rag.pages`, each failed page named in the
+  document's entry of the transcriptions file while the others go on), turns them into `PassageRecord`s with a `DocumentProcessor` (the worker's embedder, the engine for contexts, the
   project's passage cache), and returns the Parquet part as the chunk's output object, its `ProcessingStats` for that
   object's metadata beside the document counts.
 - finalize: merges the parts into one Parquet file and writes the manifest (options, counts, models, files).
@@ -19,15 +20,18 @@ import dataclasses
 import json
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from jobs.models import Batch, File, FilePurpose, utcnow
-from jobs.object_keys import file_key, inbox_key, rag_cache_prefix
+from jobs.files import derived_file_id
+from jobs.object_keys import chunk_transcriptions_key, file_key, inbox_key, rag_cache_prefix
 from jobs.rag.contextualize import engine_context_generator
 from jobs.rag.documents import DocumentError, S3Uri, SourceDocument, extract_text, parse_document_line
+from jobs.rag.pages import Transcription, TranscriptionStopped, transcribe_pdf, transcription_cache_key
 from jobs.rag.jobs import manifest_file_id
 from jobs.rag.processing import (
     PassageRecord,
@@ -50,10 +54,31 @@ if TYPE_CHECKING:
     from jobs.lazy_embedder import LazyEmbedder
 
 STATS_METADATA_KEY = "stats"  # the chunk output object's metadata entry holding its ProcessingStats as JSON
+# The chunk output object's metadata entry naming its page transcriptions' object; absent when it transcribed none.
+TRANSCRIPTIONS_METADATA_KEY = "transcriptions"
 
 
 def document_error_record(doc_id: str | None, code: str, message: str) -> bytes:
     return json.dumps({"doc_id": doc_id, "error": {"code": code, "message": message}}).encode() + b"\n"
+
+
+def transcription_record(doc_id: str, transcription: Transcription) -> bytes:
+    """A PDF read as pages, in the transcriptions file: its text (None when no page was transcribed), and each page
+    that failed, named, while the others went on."""
+    record = {
+        "doc_id": doc_id,
+        "pages": transcription.pages,
+        "text": transcription.text if transcription.transcribed else None,
+        "page_errors": [{"page": e.page, "code": e.code, "message": e.message} for e in transcription.page_errors],
+    }
+    return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+
+
+def no_page_record(doc_id: str, transcription: Transcription) -> bytes:
+    """The error record of a PDF none of whose pages was transcribed: every page's reason, in page order."""
+    reasons = "; ".join(f"{error.code}: {error.message}" for error in transcription.page_errors)
+    message = f"none of the document's {transcription.pages} pages was transcribed ({reasons})"
+    return document_error_record(doc_id, "no_page_transcribed", message)
 
 
 def inbox_object_key(uri: S3Uri, s3: S3Settings, project_id: str) -> str:
@@ -70,10 +95,11 @@ def inbox_object_key(uri: S3Uri, s3: S3Settings, project_id: str) -> str:
 class DocumentLines:
     """A RAG job's input lines, as `jobs.run.split.InputLines`: one document each."""
 
-    def __init__(self, s3: S3Settings, project_id: str, per_chunk: int) -> None:
+    def __init__(self, s3: S3Settings, project_id: str, per_chunk: int, refused: tuple[str, str] | None = None) -> None:
         self.s3 = s3
         self.project_id = project_id
         self.per_chunk = per_chunk
+        self._refused = refused  # (code, message) failing the whole job: options this worker cannot run
         self._seen_ids: set[str] = set()  # ids are the rows' keys in the output: each names one document
 
     def check(self, line_number: LineNumber, line: bytes) -> RequestId | RejectedLine:
@@ -95,7 +121,7 @@ class DocumentLines:
         return document.id
 
     def refusal(self, tally: ValidationTally) -> tuple[str, str] | None:
-        return None  # a RAG job may hold any number of documents
+        return self._refused  # a RAG job may hold any number of documents
 
     def expired_record(self, request_id: RequestId) -> bytes:
         return expired_document_record(request_id)
@@ -120,7 +146,13 @@ class _ReadDocuments:
 
     inputs: list[DocumentInput] = field(default_factory=list)
     lines: list[bytes] = field(default_factory=list)  # inputs[i] came from lines[i]
-    errors: list[bytes] = field(default_factory=list)
+    errors: list[bytes] = field(default_factory=list)  # one per document that failed
+    # `transcription_record` of each PDF read as pages: the text passages' offsets point into, and its failed pages
+    transcriptions: list[bytes] = field(default_factory=list)
+    pages_transcribed: int = 0
+    pages_failed: int = 0
+    pages_from_cache: int = 0
+    transcription_seconds: float = 0.0
     unread: list[bytes] = field(default_factory=list)  # left unread: the job stopped
     stopped: StopReason | None = None
 
@@ -146,7 +178,18 @@ class RagKind:
         self._splitter_lock = threading.Lock()
 
     def input_lines(self, batch: Batch) -> DocumentLines:
-        return DocumentLines(self.settings.s3, batch.project_id, self.settings.rag_documents_per_chunk)
+        refused = None
+        if batch.rag_options is not None and batch.rag_options.get("pdf_mode") == "pages" and not self._reads_images:
+            refused = (
+                "model_not_multimodal",
+                f"pdf_mode 'pages' needs a vision-language model to transcribe the pages; this worker's model, "
+                f"{self.engine.model_name!r}, does not take images",
+            )
+        return DocumentLines(self.settings.s3, batch.project_id, self.settings.rag_documents_per_chunk, refused)
+
+    @property
+    def _reads_images(self) -> bool:
+        return bool(self.engine.loop.engine.accepts_images)
 
     # -----------------------------------------------------------------------------------------------------
     # run_chunk
@@ -163,6 +206,10 @@ class RagKind:
         processor = self._processor(options, job)
         lines = [line for _, line in numbered_lines]
         read = self._read_documents(job, lines)
+        processor.stats.pages_transcribed += read.pages_transcribed
+        processor.stats.pages_failed += read.pages_failed
+        processor.stats.pages_from_cache += read.pages_from_cache
+        processor.stats.transcription_seconds += read.transcription_seconds
         records: list[PassageRecord] = []
         step = 1 if options.contextualize else max(1, len(read.inputs))
         processed, stopped = 0, read.stopped
@@ -173,12 +220,17 @@ class RagKind:
         errors = read.errors
         if stopped == StopReason.expired:  # when cancelled, as for batches: what did not run leaves no record
             errors += [expired_document_record(json.loads(line)["id"]) for line in read.lines[processed:] + read.unread]
+        metadata = {STATS_METADATA_KEY: json.dumps(dataclasses.asdict(processor.stats))}
+        if read.transcriptions:
+            key = chunk_transcriptions_key(job.id, chunk_index)
+            self.store.put_bytes(key, b"".join(read.transcriptions))  # a retried chunk writes the same object again
+            metadata[TRANSCRIPTIONS_METADATA_KEY] = key
         return ChunkResult(
             output=write_parquet_bytes(records),
             errors=b"".join(errors),
             completed=processed,
             failed=len(errors),
-            metadata={STATS_METADATA_KEY: json.dumps(dataclasses.asdict(processor.stats))},
+            metadata=metadata,
         )
 
     def _read_documents(self, job: Batch, lines: list[bytes]) -> _ReadDocuments:
@@ -192,8 +244,12 @@ class RagKind:
             except DocumentError as invalid:  # validate accepted the line: only a changed parser refuses it now
                 read.errors.append(document_error_record(None, "invalid_document", str(invalid)))
                 continue
+            started = time.perf_counter()
             try:
-                text = self._text_of(document, job.project_id)
+                text = self._text_of(document, job)
+            except TranscriptionStopped:  # the job stopped within a PDF's pages: the document is left unread
+                read.unread, read.stopped = lines[position:], self.stop_flags.reason(job.id)
+                break
             except ObjectNotFound:
                 read.errors.append(document_error_record(document.id, "document_not_found", f"no object at {document.uri}"))
                 continue
@@ -203,16 +259,58 @@ class RagKind:
             except DocumentError as unreadable:
                 read.errors.append(document_error_record(document.id, "unreadable_document", str(unreadable)))
                 continue
+            if isinstance(text, Transcription):
+                read.transcription_seconds += time.perf_counter() - started
+                if text.from_cache:
+                    read.pages_from_cache += text.pages
+                else:
+                    read.pages_transcribed += text.transcribed
+                read.pages_failed += len(text.page_errors)
+                read.transcriptions.append(transcription_record(document.id, text))
+                if not text.transcribed:
+                    read.errors.append(no_page_record(document.id, text))
+                    continue
+                text = text.text
             read.inputs.append((document.id, text, document.metadata))
             read.lines.append(line)
         return read
 
-    def _text_of(self, document: SourceDocument, project_id: str) -> str:
+    def _text_of(self, document: SourceDocument, job: Batch) -> str | Transcription:
+        """The document's text, or a PDF's transcription when read as pages."""
         if document.uri is None:
             assert document.text is not None  # a document line has one of the two
             return document.text
-        data = self.store.read_bytes(inbox_object_key(document.uri, self.settings.s3, project_id))
-        return extract_text(document.uri.filename, data)
+        data = self.store.read_bytes(inbox_object_key(document.uri, self.settings.s3, job.project_id))
+        filename = document.uri.filename
+        assert job.rag_options is not None
+        options = RagOptions.from_json(job.rag_options)
+        if options.pdf_mode != "pages" or not filename.lower().endswith(".pdf"):
+            return extract_text(filename, data)
+        # Transcribing is the costly part of a re-run: a PDF all of whose pages were transcribed before, with the same
+        # model and page settings, is read from the project's cache (one whose pages failed is not kept: the failure
+        # may have been the engine's, and a re-run should try again).
+        cache_key = f"{rag_cache_prefix(job.project_id)}transcriptions/"
+        cache_key += f"{transcription_cache_key(data, options, self.engine.model_name)}.json"
+        cached = self._cached_transcription(cache_key)
+        if cached is not None:
+            return cached
+        transcription = transcribe_pdf(
+            self.engine, filename, data, options, priority=job.priority,
+            window=self.settings.image_lines_in_flight, max_pixels=self.settings.image_max_pixels,
+            stopped=lambda: self.stop_flags.reason(job.id) is not None,
+        )
+        if not transcription.page_errors:
+            self.store.put_bytes(cache_key, json.dumps({"pages": transcription.pages, "text": transcription.text}).encode())
+        return transcription
+
+    def _cached_transcription(self, key: str) -> Transcription | None:
+        try:
+            entry = json.loads(self.store.read_bytes(key))
+            return Transcription(entry["text"], entry["pages"], from_cache=True)
+        except ObjectNotFound:
+            return None
+        except (ValueError, KeyError, TypeError):  # a damaged entry is a miss, overwritten by the fresh transcription
+            return None
 
     def _processor(self, options: RagOptions, job: Batch) -> DocumentProcessor:
         generate_contexts = (
@@ -273,6 +371,7 @@ class RagKind:
         assert job.rag_options is not None
         options = RagOptions.from_json(job.rag_options)
         stats = self._summed_stats(finished.output_keys)
+        transcriptions = self._transcriptions_file(finished) if options.pdf_mode == "pages" else None
         manifest: dict[str, Any] = {
             "object": "rag.manifest",
             "job_id": job.id,
@@ -281,7 +380,7 @@ class RagKind:
             "input_prefix": job.input_prefix,
             "options": job.rag_options,
             "embedding_model": options.embedding_model,
-            "generation_model": self.engine.model_name if options.contextualize else None,
+            "generation_model": self.engine.model_name if options.contextualize or options.pdf_mode == "pages" else None,
             "counts": {
                 "documents": job.total_requests,
                 "documents_completed": job.completed_requests,
@@ -290,27 +389,54 @@ class RagKind:
                 "chunks": stats.chunks,
                 "chunks_embedded": stats.chunks_embedded,
                 "contexts_generated": stats.contexts_generated,
+                "pages_transcribed": stats.pages_transcribed,
+                "pages_failed": stats.pages_failed,
+                "pages_from_cache": stats.pages_from_cache,
             },
-            "seconds": {"embedding": round(stats.embedding_seconds, 3), "contexts": round(stats.context_seconds, 3)},
+            "seconds": {
+                "embedding": round(stats.embedding_seconds, 3),
+                "contexts": round(stats.context_seconds, 3),
+                "transcription": round(stats.transcription_seconds, 3),
+            },
             "created_at": _iso(job.created_at),
             "finished_at": _iso(utcnow()),
             "output_file_id": output_file_id,
             "error_file_id": error_file_id,
+            # pdf_mode "pages": JSONL, {"doc_id", "pages", "text"} per PDF, the text passages' offsets point into
+            "transcriptions_file_id": None if transcriptions is None else transcriptions.id,
         }
         file_id = manifest_file_id(job.id)
         key = file_key(job.project_id, file_id, "json")
         data = json.dumps(manifest, indent=2).encode()
         self.store.put_bytes(key, data)
-        return [
-            File(
-                id=file_id,
-                project_id=job.project_id,
-                filename=f"{job.id}_manifest.json",
-                purpose=FilePurpose.batch_output,
-                bytes=len(data),
-                object_key=key,
-            )
-        ]
+        manifest_file = File(
+            id=file_id,
+            project_id=job.project_id,
+            filename=f"{job.id}_manifest.json",
+            purpose=FilePurpose.batch_output,
+            bytes=len(data),
+            object_key=key,
+        )
+        return [manifest_file] if transcriptions is None else [manifest_file, transcriptions]
+
+    def _transcriptions_file(self, finished: FinishedChunks) -> File:
+        """The chunks' page transcriptions, in chunk order, as one JSONL file (empty when no PDF was read)."""
+        job = finished.batch
+        file_id = derived_file_id(job.id, "transcriptions")
+        key = file_key(job.project_id, file_id, "jsonl")
+        with self.store.upload_stream(key) as upload:
+            for part in finished.output_keys:
+                info = self.store.head(part)
+                if info is not None and TRANSCRIPTIONS_METADATA_KEY in info.metadata:
+                    upload.write(self.store.read_bytes(info.metadata[TRANSCRIPTIONS_METADATA_KEY]))
+        return File(
+            id=file_id,
+            project_id=job.project_id,
+            filename=f"{job.id}_transcriptions.jsonl",
+            purpose=FilePurpose.batch_output,
+            bytes=upload.bytes_written,
+            object_key=key,
+        )
 
     def _summed_stats(self, part_keys: list[str]) -> ProcessingStats:
         total = ProcessingStats()

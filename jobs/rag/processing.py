@@ -55,6 +55,9 @@ for the purposes of improving search retrieval of the chunk. Answer only with th
 
 _PROMPT_FIELDS = frozenset({"document", "chunk"})
 _MAX_CONTEXT_TOKENS = 1024
+PDF_MODES = ("text", "pages")  # a PDF's text layer (pypdf), or its pages transcribed by a VLM (jobs/rag/pages.py)
+_PAGE_DPI_RANGE = (36, 300)
+_MAX_PAGE_TOKENS = 8192
 _COMPRESSION = "zstd"
 _CACHE_IO_THREADS = 8  # concurrent S3 requests for cache lookups and stores: each one is mostly network wait
 
@@ -76,9 +79,14 @@ class RagOptions:
     context_prompt: str = DEFAULT_CONTEXT_PROMPT  # with {document} and {chunk}; literal braces doubled
     context_max_tokens: int = 96  # generated tokens per context
     embedding_model: str = DEFAULT_EMBEDDING_MODEL
+    # "pages": PDF pages rendered and transcribed to Markdown by the worker's vision-language model; other files as
+    # in "text". Not in the fingerprint: the cache is keyed by the text processed, here the transcription itself.
+    pdf_mode: str = "text"
+    page_dpi: int = 144  # dots per inch a page is rendered at ("pages" only); the model's processor then resizes it
+    page_max_tokens: int = 1024  # generated tokens per page's transcription ("pages" only)
 
     def __post_init__(self) -> None:
-        for name in ("chunk_tokens", "overlap_tokens", "context_max_tokens"):
+        for name in ("chunk_tokens", "overlap_tokens", "context_max_tokens", "page_dpi", "page_max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -87,6 +95,13 @@ class RagOptions:
             raise ValueError(f"contextualize must be true or false, got {self.contextualize!r}")
         if not 1 <= self.context_max_tokens <= _MAX_CONTEXT_TOKENS:
             raise ValueError(f"context_max_tokens must be between 1 and {_MAX_CONTEXT_TOKENS}, got {self.context_max_tokens}")
+        if self.pdf_mode not in PDF_MODES:
+            raise ValueError(f"pdf_mode must be one of {list(PDF_MODES)}, got {self.pdf_mode!r}")
+        low, high = _PAGE_DPI_RANGE
+        if not low <= self.page_dpi <= high:
+            raise ValueError(f"page_dpi must be between {low} and {high}, got {self.page_dpi}")
+        if not 1 <= self.page_max_tokens <= _MAX_PAGE_TOKENS:
+            raise ValueError(f"page_max_tokens must be between 1 and {_MAX_PAGE_TOKENS}, got {self.page_max_tokens}")
         if not isinstance(self.embedding_model, str) or not self.embedding_model.strip():
             raise ValueError("embedding_model must be a non-empty string")
         _check_context_prompt(self.context_prompt)
@@ -310,6 +325,10 @@ class ProcessingStats:
     chunks: int = 0  # records returned
     chunks_embedded: int = 0  # embedded by this processor (not from the cache)
     contexts_generated: int = 0
+    pages_transcribed: int = 0  # PDF pages read as pages (`pdf_mode` "pages", counted by the RAG kind)
+    pages_failed: int = 0
+    pages_from_cache: int = 0  # in PDFs whose transcription came from the cache
+    transcription_seconds: float = 0.0
     embedding_seconds: float = 0.0
     context_seconds: float = 0.0
 

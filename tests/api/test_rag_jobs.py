@@ -166,6 +166,7 @@ def test_rag_jobs_turn_inbox_files_and_document_lines_into_parquet_chunks(
     assert manifest["counts"] == {
         "documents": 4, "documents_completed": 3, "documents_failed": 1, "documents_from_cache": 0,
         "chunks": table.num_rows, "chunks_embedded": table.num_rows, "contexts_generated": 0,
+        "pages_transcribed": 0, "pages_failed": 0, "pages_from_cache": 0,
     }
     assert manifest["embedding_model"] == stack.settings.embedding_model and manifest["generation_model"] is None
     assert (manifest["output_file_id"], manifest["error_file_id"]) == (done["output_file_id"], done["error_file_id"])
@@ -233,6 +234,7 @@ def test_rag_job_requests_are_checked_and_a_job_can_be_cancelled(stack: Stack) -
         ({"input_prefix": "empty/"}, "input_prefix"),
         ({"input_file_id": upload.id, "options": {"chunk_tokens": 32, "overlap_tokens": 32}}, "options"),
         ({"input_file_id": upload.id, "options": {"context_prompt": "no placeholders"}}, "options"),
+        ({"input_file_id": upload.id, "options": {"pdf_mode": "pages", "page_dpi": 10}}, "options"),
         ({"input_file_id": upload.id, "options": {"embedding_model": "another-model"}}, "options.embedding_model"),
         ({"input_file_id": upload.id, "completion_window": "1h"}, "completion_window"),
     ]

@@ -1,20 +1,26 @@
 """Images through the service: a worker whose model is a vision-language model (a tiny LLaVA-1.5 folder as
 CONVEYOR_MODEL) answers a batch file mixing image and text lines through the openai SDK, `/v1/models` says it takes
-images, and a corrupt image fails its own line only."""
+images, and a corrupt image fails its own line only; a RAG job reads a PDF of its inbox as pages that model
+transcribes."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from jobs.object_keys import inbox_key
 from jobs.settings import Settings, replace
+from jobs.storage import ObjectStore
+from tests.api.test_rag_jobs import Tenant
 from tests.api.test_batch_service import CHAT, client_for, jsonl, read_jsonl, wait_for
 from tests.stack_fixtures import running_stack
 from bench.vision_models import image
+from tests.jobs.test_rag_pages import page, pdf_of
 
 pytestmark = pytest.mark.slow
 
@@ -51,3 +57,18 @@ def test_a_vision_worker_answers_image_lines(private_stack_settings: Settings, l
         assert answers["picture"]["usage"]["prompt_tokens"] == answers["text"]["usage"]["prompt_tokens"] + 16
         errors = read_jsonl(client, done.error_file_id)
         assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("corrupt", "image_unreadable")]
+
+        # A RAG job reading PDFs as pages: the worker's LLaVA transcribes both pages; the passages are slices of the
+        # transcription, which the manifest's transcriptions file holds.
+        tenant = Tenant(stack, "vision-rag")
+        ObjectStore(settings.s3).put_bytes(inbox_key(tenant.id, "scans/form.pdf"), pdf_of([page(1, 120, 160), page(2, 120, 160)]))
+        options = {"pdf_mode": "pages", "page_dpi": 36, "page_max_tokens": 8, "chunk_tokens": 16, "overlap_tokens": 0}
+        job = tenant.finished_job(tenant.create_job(input_prefix="scans/", options=options)["id"])
+        assert job["status"] == "completed" and job["request_counts"] == {"total": 1, "completed": 1, "failed": 0}, job
+        manifest = tenant.manifest(job)
+        assert (manifest["counts"]["pages_transcribed"], manifest["counts"]["pages_failed"]) == (2, 0)
+        [entry] = [json.loads(row) for row in tenant.content(manifest["transcriptions_file_id"]).splitlines()]
+        assert (entry["doc_id"], entry["pages"], entry["page_errors"]) == ("form.pdf", 2, [])
+        assert entry["text"].startswith("<!-- page 1 -->\n") and "\n\n<!-- page 2 -->\n" in entry["text"]
+        rows = tenant.table(job["output_file_id"]).to_pylist()
+        assert rows and all(entry["text"][row["char_start"] : row["char_end"]] == row["text"] for row in rows)

@@ -30,10 +30,11 @@ from jobs.lazy_embedder import LazyEmbedder
 from jobs.models import Batch
 from jobs.object_keys import chunk_output_key
 from jobs.rag.kind import RagKind
+from jobs.rag.processing import RagOptions
 from jobs.run.embeddings import EmbeddingsKind
 from jobs.run.generation import STOP_POLL_SECONDS, GenerationKind
 from jobs.run.kinds import ChunkResult, EngineHandle, FinishedChunks
-from jobs.run.split import RejectedLine
+from jobs.run.split import RejectedLine, ValidationTally
 from jobs.served_models import ModelNames, process_models
 from jobs.settings import S3Settings, Settings
 from jobs.stop_flags import StopFlags, StopReason
@@ -287,6 +288,12 @@ def test_rag_lines_are_documents_of_the_projects_inbox(engine: EngineHandle, sto
     kind = RagKind(settings=settings, store=object_store, stop_flags=stop_flags, engine=engine, embedder=embedder)
     lines = kind.input_lines(batch("/v1/rag/jobs", project_id="proj_a"))
     assert lines.per_chunk == 4
+    # A job reading PDFs as pages fails whole on a worker whose model reads no images (SmolLM2).
+    pages = batch("/v1/rag/jobs")
+    pages.rag_options = RagOptions(pdf_mode="pages").to_json()
+    refused = kind.input_lines(pages).refusal(ValidationTally())
+    assert refused is not None and refused[0] == "model_not_multimodal"
+    assert lines.refusal(ValidationTally()) is None
     assert lines.check(1, b'{"id": "d1", "text": "hello"}') == "d1"
     assert lines.check(2, b'{"id": "d2", "uri": "s3://docs/inbox/proj_a/notes.md"}') == "d2"
     repeated = lines.check(3, b'{"id": "d1", "text": "again"}')
