@@ -32,7 +32,7 @@ from engine.multimodal.encoder_cache import EncoderCache
 from engine.multimodal.encoder_step import EncoderStep
 from engine.multimodal.kind import VisionLanguageKind, split_checkpoint
 from engine.multimodal.registry import vision_kind_for
-from engine.quantization import building_quantized
+from engine.quantization.linear_method import building_quantized
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 from kernels.cpu_kernels import load_cpu_kernels

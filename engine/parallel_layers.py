@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.checkpoint import CheckpointTensor, full_shape, read_whole
 from engine.distributed import TensorParallelGroup, current_group
-from engine.quantization import current_linear_method
+from engine.quantization.linear_method import current_linear_method
 from engine.quantization.unquantized import UnquantizedLinearMethod, dense_linear, prepack
 
 # Which piece of a parameter one checkpoint tensor fills, for the sharded layer that places this rank's slice of it:

@@ -312,11 +312,11 @@ def test_gguf_unsupported_type_is_refused_by_name(llama31, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    from engine.gguf_import import _hf_tensors
+    from engine.gguf_tensors import hf_tensors
 
     tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(path).tensors}
     with pytest.raises(ValueError, match=r"type Q2_K.*supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K"):
-        _hf_tensors("llama", tensors, {"num_attention_heads": 1, "num_key_value_heads": 1})
+        hf_tensors("llama", tensors, {"num_attention_heads": 1, "num_key_value_heads": 1})
 
 
 @pytest.mark.parametrize(("kind", "extra", "expected"), [
@@ -325,7 +325,7 @@ def test_gguf_unsupported_type_is_refused_by_name(llama31, tmp_path):
      {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
 ])
 def test_gguf_rope_scaling_types_are_read(llama31, tmp_path, kind, extra, expected):
-    from engine.gguf_import import _rope_scaling
+    from engine.gguf_config import _rope_scaling
 
     metadata = {"llama.rope.scaling.type": kind, "llama.rope.scaling.factor": 4.0, **extra}
     assert _rope_scaling("llama", metadata, {}, 16) == expected

@@ -28,7 +28,7 @@ from engine.model_shard import rank_model_config
 from engine.models import MODEL_CLASSES
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM, SparseMoeBlock
-from engine.quantization import building_quantized
+from engine.quantization.linear_method import building_quantized
 from engine.quantization.gguf import GGUFTensor
 from engine.tensor_parallel import RankFailure
 from tests.conftest import save_random_hf_model

@@ -99,7 +99,7 @@ def test_the_registry_lists_every_worker_model_and_routes_validation_to_its_work
 
 def test_a_quantized_model_shows_how_it_runs_in_v1_models() -> None:
     from api.models import ModelObject
-    from engine.config import weight_only_quantization
+    from engine.quantization.config import weight_only_quantization
 
     redis = Redis.from_url("redis://127.0.0.1:6379/0")
     prefix = f"test-{secrets.token_hex(4)}:"
