@@ -7,7 +7,6 @@ F32, quantized blocks kept as they are; an unsupported type refused); RoPE scali
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 
 import gguf
@@ -22,6 +21,7 @@ from engine.config import ModelConfig
 from engine.gguf_import import CONVERTER_VERSION, convert_gguf_to_hf_folder
 from engine.model_registry import _gguf_cache_key
 from engine.tokenizer import Tokenizer
+from tests.engine.hf_oracle import PROMPTS, _hf_generate
 
 transformers = pytest.importorskip("transformers")
 
@@ -184,17 +184,6 @@ def _write_gguf_from_hf(
     writer.close()
 
 
-def _hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    expected = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=1, eos_token_id=None)
-        expected.append(out[0, len(prompt):].tolist())
-    return expected
-
-
 def _random_weights(model):
     torch.manual_seed(0)
     with torch.no_grad():
@@ -215,9 +204,6 @@ def llama31():
         rope_theta=10000.0, rope_scaling=dict(LLAMA3_SCALING), bos_token_id=0, eos_token_id=1,
     )
     return _random_weights(transformers.LlamaForCausalLM(config))
-
-
-PROMPTS = [[random.Random(length).randrange(2, 300) for _ in range(length)] for length in (5, 40, 90)]
 
 
 @pytest.fixture(autouse=True)

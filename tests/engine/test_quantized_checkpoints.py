@@ -27,8 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.quantization.w4a16 import Int4CheckpointTensor, dequantize_piece
-from tests.engine.test_gguf_import import PROMPTS, _hf_generate
-from tests.engine.test_quantized_models import GREEDY, tiny_llama_folder  # noqa: F401  (a fixture)
+from tests.engine.hf_oracle import GREEDY, PROMPTS, _hf_generate, tiny_llama_folder  # noqa: F401  (a fixture)
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
 from engine.quantization.weight_only import dequantize_rows_reference, quantize_rows
-from tests.engine.test_gguf_import import PROMPTS, _hf_generate, _permute, _write_vocabulary
+from tests.engine.hf_oracle import GREEDY, PROMPTS, _hf_generate, tiny_llama_folder  # noqa: F401  (a fixture)
+from tests.engine.test_gguf_import import _permute, _write_vocabulary
 
 transformers = pytest.importorskip("transformers")
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 _K_QUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's f16 scales
 
 
@@ -106,26 +106,6 @@ def test_quantized_gguf_matches_transformers_in_float32(tmp_path):
     # q, k and v are three pieces of one fused projection; gate and up two; blocks kept, no float copy
     qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj
     assert [piece.weight.dtype for piece in qkv.gguf_pieces] == [torch.uint8] * 3 and not hasattr(qkv, "weight")
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_folder(tmp_path_factory) -> Path:
-    """A random float32 Llama saved as a Hugging Face folder (with the tokenizer of the GGUF tests' vocabulary
-    not needed: prompts are token ids)."""
-    config = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" not in name:
-                parameter.normal_(0.0, 0.15)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model.float().save_pretrained(folder)
-    return folder
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
