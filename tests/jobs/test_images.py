@@ -7,10 +7,8 @@ from __future__ import annotations
 import base64
 import io
 import json
-import shutil
 import ssl
 import struct
-import subprocess
 import threading
 import time
 import zlib
@@ -32,6 +30,7 @@ from jobs.openai_format.validation import BatchLineValidator, LineError
 from jobs.served_models import ModelNames, ServedModel, process_models
 from jobs.webhooks.targets import AllowList
 from tests.jobs.test_openai_format import SERVED, WordTokenizer
+from tests.tls import self_signed_certificate
 
 LIMITS = ImageLimits()
 NOTHING_ALLOWED = AllowList(frozenset(), ())
@@ -252,15 +251,8 @@ class QuietServer(ThreadingHTTPServer):
 @pytest.fixture(scope="module")
 def https_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ssl.SSLContext]]:
     """A TLS server for `localhost`, and a client context that trusts its self-signed certificate."""
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl binary to make a certificate")
-    folder = tmp_path_factory.mktemp("tls")
-    certificate, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(certificate)],
-        check=True,
-        capture_output=True,
+    certificate, key = self_signed_certificate(
+        tmp_path_factory.mktemp("tls"), "localhost", "DNS:localhost,IP:127.0.0.1"
     )
     server = QuietServer(("127.0.0.1", 0), ImageServer)
     server.daemon_threads = True

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import shutil
 import ssl
-import subprocess
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from jobs.webhooks.targets import (
     why_forbidden,
 )
 from tests.webhook_receiver import WebhookReceiver, running_receiver
+from tests.tls import self_signed_certificate
 
 NOTHING_ALLOWED = AllowList.parse("")
 
@@ -115,15 +114,7 @@ def test_the_post_goes_to_the_checked_address_with_the_urls_host_header() -> Non
 
 
 def test_https_verifies_the_certificate(tmp_path: Path) -> None:
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl binary to make a certificate")
-    certificate, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(certificate)],
-        check=True,
-        capture_output=True,
-    )
+    certificate, key = self_signed_certificate(tmp_path, "127.0.0.1", "IP:127.0.0.1")
     with running_receiver(WebhookReceiver(), tls_files=(certificate, key)) as receiver:
         target = resolve_target(receiver.url, AllowList.parse("127.0.0.1"))
         with pytest.raises(ssl.SSLCertVerificationError):  # self-signed: nobody vouches for it
