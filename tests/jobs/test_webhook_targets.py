@@ -23,8 +23,8 @@ from jobs.webhooks.targets import (
     resolve_target,
     why_forbidden,
 )
-from tests.webhook_receiver import WebhookReceiver, running_receiver
 from tests.tls import self_signed_certificate
+from tests.webhook_receiver import WebhookReceiver, running_receiver
 
 NOTHING_ALLOWED = AllowList.parse("")
 
