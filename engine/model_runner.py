@@ -45,6 +45,7 @@ class ModelRunner:
         device: torch.device,
         kernel_backend: KernelBackend,
         vision: EncoderStep | None = None,
+        lora: LoRASlotWeights | None = None,
     ) -> None:
         self.model = model
         self.vision = vision  # a vision-language model's encoder pass; None for a text-only model
@@ -60,8 +61,8 @@ class ModelRunner:
         self._swap_seconds = 0.0
         self._pending_swap_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.adapters: dict[str, LoRAAdapter] = {}  # registered LoRA adapters, by name (host memory)
-        # the device's adapter slots, set by the shard's builder before the KV cache is sized (enable_lora)
-        self.lora: LoRASlotWeights | None = None
+        # the device's adapter slots (enable_lora), allocated by the shard's builder before the KV cache is sized
+        self.lora = lora
 
     def register_adapter(self, adapter: LoRAAdapter) -> None:
         """Make `adapter` loadable into a slot (the engine was built with enable_lora)."""

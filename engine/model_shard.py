@@ -136,8 +136,7 @@ def _build_model_shard(spec: ShardSpec, group: TensorParallelGroup) -> ModelShar
         _pool_context_limit(spec.model_config, config, num_blocks),
     )
     max_blocks_per_seq = -(-max_model_len // config.block_size)
-    runner = ModelRunner(model, kv_caches, host_caches, config.block_size, device, spec.kernel_backend, vision)
-    runner.lora = lora
+    runner = ModelRunner(model, kv_caches, host_caches, config.block_size, device, spec.kernel_backend, vision, lora)
     if spec.kernel_backend == "triton":
         runner.warm_up(config.max_num_batched_tokens, max_blocks_per_seq)
     graph_batch = min(config.cuda_graph_max_batch_size, config.max_num_seqs)

@@ -20,7 +20,7 @@ from tests.api.test_rag_jobs import Tenant
 from tests.api.test_batch_service import CHAT, client_for, jsonl, read_jsonl, wait_for
 from tests.stack_fixtures import running_stack
 from bench.vision_models import image
-from tests.jobs.test_rag_pages import page, pdf_of
+from tests.scanned_pages import page, pdf_of
 
 pytestmark = pytest.mark.slow
 

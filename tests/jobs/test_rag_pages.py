@@ -4,14 +4,12 @@ checked), then split and embedded by the real embedding model, with the real S3 
 
 from __future__ import annotations
 
-import io
 import json
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from PIL import Image, ImageDraw
 from redis import Redis
 
 from engine.embedder import Embedder
@@ -34,25 +32,11 @@ from jobs.served_models import ModelNames, process_models
 from jobs.settings import S3Settings, Settings
 from jobs.stop_flags import StopFlags
 from jobs.storage import ObjectStore
+from tests.scanned_pages import page, pdf_of
 
 pytestmark = pytest.mark.slow  # a tiny LLaVA and the embedding model
 
 DPI = 36  # half of PDF's 72 points per inch: small pages for the tiny model
-
-
-def page(seed: int, width: int, height: int) -> Image.Image:
-    picture = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(picture)
-    draw.text((8, 8 + seed * 10), f"Section {seed}", fill="black")
-    draw.rectangle((10, 40, 10 + 15 * seed, 60 + 5 * seed), fill=(40 * seed, 0, 120))
-    return picture
-
-
-def pdf_of(pages: list[Image.Image]) -> bytes:
-    """A PDF with one page per picture, each page as many points as the picture has pixels (72 dpi)."""
-    out = io.BytesIO()
-    pages[0].save(out, format="PDF", resolution=72.0, save_all=True, append_images=pages[1:])
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
