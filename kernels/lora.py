@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 
 from kernels.cpu_kernels import build_digest, load_extension
-from kernels.triton_utils import interpreter_enabled, require_triton, tl, triton
+from kernels.triton_utils import require_triton, tl, triton
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,13 @@ def _check(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch
         raise ValueError(f"x {tuple(x.shape)}, out {tuple(out.shape)}, slots {tuple(token_slots.shape)} do not fit A, B")
 
 
-def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor) -> None:
-    """Triton launcher: adds each row's adapter term to `out` [T, out] in place. `x` [T, in], `token_slots` [T] int."""
+def lora_add(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor,
+    block_k: int = 128, block_n: int = 128, block_r: int | None = None,
+) -> None:
+    """Triton launcher: adds each row's adapter term to `out` [T, out] in place. `x` [T, in], `token_slots` [T] int.
+    The blocks: input features per shrink iteration, output columns per expand program, rank rows per shrink
+    program and expand iteration (None: the rank's next power of two, at most 64)."""
     require_triton()
     _check(x, a, b, token_slots, out)
     if x.stride(-1) != 1 or out.stride(-1) != 1 or a.stride(-1) != 1:
@@ -93,10 +98,7 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: tor
     if num_tokens == 0:
         return
     y = torch.empty(num_tokens, rank, dtype=torch.float32, device=x.device)
-    # Small blocks under the interpreter so tests cross several blocks of every loop.
-    small = interpreter_enabled()
-    block_r = 8 if small else triton.next_power_of_2(min(rank, 64))
-    block_k, block_n = (16, 16) if small else (128, 128)
+    block_r = block_r or triton.next_power_of_2(min(rank, 64))
     _lora_shrink_kernel[(num_tokens, triton.cdiv(rank, block_r))](
         x, a, token_slots, y, x.shape[1], rank, x.stride(0), a.stride(0), a.stride(1), y.stride(0),
         BLOCK_R=block_r, BLOCK_K=block_k,

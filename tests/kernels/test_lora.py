@@ -31,7 +31,7 @@ def test_lora_add_matches_reference(
     if transposed_b:  # B as the engine keeps it: a [slots, out, R] view of [slots, R, out]
         b = b.transpose(1, 2).contiguous().transpose(1, 2)
     out, expected = base.clone(), base.clone()
-    lora_add(x, a, b, slots, out)
+    lora_add(x, a, b, slots, out, block_k=16, block_n=16, block_r=8)  # small blocks: every loop crosses several
     lora_add_reference(x, a, b, slots, expected)
     torch.testing.assert_close(out, expected, **tolerance(dtype))
     base_rows = slots < 0
