@@ -27,8 +27,8 @@ from engine.multimodal.kind import CheckpointPart
 from engine.multimodal.qwen2_vl_processing import Qwen2VLImageProcessing, smart_resize
 
 # Qwen2_5_VLTextConfig's defaults, for what a config leaves out
-_TEXT_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
-                  "hidden_act": "silu", "attention_bias": True}
+_TEXT_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "hidden_act": "silu", "attention_bias": True}
+_ROPE_THETA = 1000000.0
 _NOT_TEXT = ("vision_config", "text_config", "architectures", "model_type", "image_token_id", "video_token_id",
              "vision_start_token_id", "vision_end_token_id", "auto_map")
 
@@ -63,7 +63,10 @@ class Qwen25VLKind:
         hf = self._hf
         text = hf.get("text_config") or {key: value for key, value in hf.items() if key not in _NOT_TEXT}
         tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        return {**_TEXT_DEFAULTS, **text, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": tie}
+        config = {**_TEXT_DEFAULTS, **text, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": tie}
+        if "rope_theta" not in config and "rope_theta" not in (config.get("rope_parameters") or {}):
+            config["rope_theta"] = _ROPE_THETA
+        return config
 
     def num_placeholders(self, image: ImageInput) -> int:
         frames, rows, columns = self.processing.grid(*image.image.size)
