@@ -77,12 +77,12 @@ FAMILIES = {
         "Qwen2.5-VL-like", {"tiny": vision_models.QWEN_TINY, "small": vision_models.QWEN_SMALL},
         vision_models.make_qwen2_5_vl, vision_models.QWEN_WORDS, "Qwen2_5_VLForConditionalGeneration",
         vision_models.qwen_processor,
-        lambda shape: f"up to {shape.max_pixels // (2 * shape.patch) ** 2} image tokens, by image size",
+        lambda shape: f"up to {shape.max_pixels // (2 * shape.patch) ** 2} image tokens per image, by its size",
     ),
     "llava": Family(
         "LLaVA-1.5", {"tiny": vision_models.TINY, "small": vision_models.SMALL}, vision_models.make_llava,
         vision_models.WORDS, "LlavaForConditionalGeneration", _llava_processor,
-        lambda shape: f"{(shape.image_size // shape.patch) ** 2} image tokens",
+        lambda shape: f"{(shape.image_size // shape.patch) ** 2} image tokens per image",
     ),
 }
 
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> None:
                 label, result.images, stats.images_encoded, stats.encoder_cache_hits,
                 f"{stats.encoder_cache_hits / lookups:.0%}" if lookups else "n/a", f"{same}/{args.lines}",
             ])
-        print(f"chunked prefill: max_num_batched_tokens={args.chunk_tokens}, {placeholders} per image")
+        print(f"chunked prefill: max_num_batched_tokens={args.chunk_tokens}, {placeholders}")
         print(markdown_table(
             ["run", "images", "encoder runs", "encoder cache hits", "hit rate", "identical to HF"], rows
         ))
