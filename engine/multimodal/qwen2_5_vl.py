@@ -10,11 +10,14 @@ Checkpoint names, all read: as the Hub publishes them and transformers 5 saves t
 config: transformers 5's (`text_config`, `rope_parameters`) or the Hub's (the text model's keys at the top,
 `rope_scaling` of type "mrope").
 
-`detail`: the folder's min_pixels and max_pixels bound every image, whatever its `detail` ("auto", "low" and "high"
-give the same input, as transformers' processor has no such option); other values are refused."""
+`detail`: "auto" and "high" resize within the folder's [min_pixels, max_pixels], as transformers' processor does;
+"low" lowers max_pixels to 512 x 512 px (OpenAI's low-resolution size; at most 334 placeholder tokens at 28 px
+blocks, fewer for a folder whose max_pixels is already lower), as the processor does when called with that
+`size`; other values are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from engine.multimodal.qwen2_vl_processing import Qwen2VLImageProcessing, smart_
 # Qwen2_5_VLTextConfig's defaults, for what a config leaves out
 _TEXT_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "hidden_act": "silu", "attention_bias": True}
 _ROPE_THETA = 1000000.0
+LOW_DETAIL_PIXELS = 512 * 512  # max_pixels of a `detail: "low"` image
 _NOT_TEXT = ("vision_config", "text_config", "architectures", "model_type", "image_token_id", "video_token_id",
              "vision_start_token_id", "vision_end_token_id", "auto_map")
 
@@ -42,6 +46,10 @@ class Qwen25VLKind:
         self.vision = Qwen25VisionConfig.from_hf(hf_config.get("vision_config") or {})
         self.processing = Qwen2VLImageProcessing.from_folder(folder)
         processing, vision = self.processing, self.vision
+        self.low_detail = dataclasses.replace(
+            processing, min_pixels=min(processing.min_pixels, LOW_DETAIL_PIXELS),
+            max_pixels=min(processing.max_pixels, LOW_DETAIL_PIXELS),
+        )
         if (processing.patch_size, processing.merge_size, processing.temporal_patch_size) != (
             vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size
         ):
@@ -69,13 +77,16 @@ class Qwen25VLKind:
         return config
 
     def num_placeholders(self, image: ImageInput) -> int:
-        frames, rows, columns = self.processing.grid(*image.image.size)
+        frames, rows, columns = self._processing(image.detail).grid(*image.image.size)
         return frames * rows * columns // self.vision.spatial_merge_size**2
 
     def preprocess(self, image: ImageInput) -> torch.Tensor:
-        if image.detail not in DETAILS:
-            raise ValueError(f"image detail {image.detail!r} is not one of {DETAILS}")
-        return self.processing(image.image)
+        return self._processing(image.detail)(image.image)
+
+    def _processing(self, detail: str) -> Qwen2VLImageProcessing:
+        if detail not in DETAILS:
+            raise ValueError(f"image detail {detail!r} is not one of {DETAILS}")
+        return self.low_detail if detail == "low" else self.processing
 
     def rotary_positions(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """transformers' `get_vision_position_ids` for an image: each placeholder's (frame, row, column) in the grid

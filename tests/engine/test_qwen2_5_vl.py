@@ -250,6 +250,31 @@ def test_hub_config_and_transformers4_layout_load(
     assert_equal_to_hf(chat(engine, CONVERSATIONS[:2]), hf_runs[:2])
 
 
+def test_low_detail_lowers_max_pixels_as_the_processor_would(folder: Path, tmp_path: Path) -> None:
+    """A folder whose max_pixels is above 512 x 512: "low" resizes within 512 x 512 px, as the processor does when
+    called with that size; "auto" and "high" within the folder's bounds."""
+    from engine.multimodal.qwen2_5_vl import LOW_DETAIL_PIXELS, Qwen25VLKind
+
+    large = tmp_path / "large"
+    large.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (large / name).write_bytes((folder / name).read_bytes())
+    settings = json.loads((folder / "preprocessor_config.json").read_text())
+    settings["size"] = {"shortest_edge": 56 * 56, "longest_edge": 1024 * 1024}
+    (large / "preprocessor_config.json").write_text(json.dumps(settings))
+    kind = Qwen25VLKind(json.loads((folder / "config.json").read_text()), large)
+    processor = qwen_processor(large)
+    picture = image(7, 700, 900)
+    for detail, longest in (("high", 1024 * 1024), ("auto", 1024 * 1024), ("low", LOW_DETAIL_PIXELS)):
+        ours = kind.preprocess(ImageInput(picture, detail))
+        theirs = processor.image_processor(
+            images=[picture], size={"shortest_edge": 56 * 56, "longest_edge": longest}, return_tensors="pt"
+        )
+        assert torch.equal(ours.reshape(-1, ours.shape[-1]), theirs["pixel_values"])
+        assert kind.num_placeholders(ImageInput(picture, detail)) == theirs["image_grid_thw"].prod().item() // 4
+    assert kind.num_placeholders(ImageInput(picture, "low")) < kind.num_placeholders(ImageInput(picture, "high"))
+
+
 def test_images_are_checked(folder: Path) -> None:
     engine = LLMEngine(str(folder), dtype="float32", num_kv_blocks=16)
     with pytest.raises(ValueError, match="detail"):
