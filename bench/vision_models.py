@@ -133,8 +133,9 @@ def make_qwen2_5_vl(folder: Path, shape: QwenVLShape = QWEN_TINY) -> Path:
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {word: i for i, word in enumerate(QWEN_WORDS)} | {f"w{i}": i for i in range(len(QWEN_WORDS), 500)}
-    vocab["<unk>"] = 500
+    # Every id of the model's 512 has a token (an id without one would decode to nothing)
+    vocab = {word: i for i, word in enumerate(QWEN_WORDS)} | {f"w{i}": i for i in range(len(QWEN_WORDS), 511)}
+    vocab["<unk>"] = 511
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.WordPiece()
