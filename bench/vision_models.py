@@ -154,7 +154,8 @@ def make_qwen2_5_vl(folder: Path, shape: QwenVLShape = QWEN_TINY) -> Path:
         vision_config=dict(
             depth=shape.vision_layers, hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
             num_heads=shape.vision_heads, patch_size=shape.patch, spatial_merge_size=2, temporal_patch_size=2,
-            window_size=shape.window, out_hidden_size=shape.text_hidden, fullatt_block_indexes=[shape.vision_layers - 1],
+            window_size=shape.window, out_hidden_size=shape.text_hidden,
+            fullatt_block_indexes=[shape.vision_layers - 1],
         ),
         text_config=dict(
             vocab_size=512, hidden_size=shape.text_hidden, intermediate_size=2 * shape.text_hidden,

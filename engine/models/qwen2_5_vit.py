@@ -48,7 +48,9 @@ class Qwen25VisionConfig:
         if "in_chans" in hf and "in_channels" not in hf:
             merged["in_channels"] = hf["in_chans"]
         if merged["hidden_act"] not in _ACTIVATIONS:
-            raise ValueError(f"unsupported vision activation {merged['hidden_act']!r}; supported: {sorted(_ACTIVATIONS)}")
+            raise ValueError(
+                f"unsupported vision activation {merged['hidden_act']!r}; supported: {sorted(_ACTIVATIONS)}"
+            )
         theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
         fields = {name: merged[name] for name in cls.__dataclass_fields__ if name != "rope_theta"}
         fields["fullatt_block_indexes"] = tuple(fields["fullatt_block_indexes"])
@@ -126,8 +128,9 @@ def grid_layout(frames: int, rows: int, columns: int, merge: int, window_blocks:
     # Each patch's (row, column) in processor order (merge blocks row-major, then within the block), for one frame
     row_ids = torch.arange(rows)[:, None].expand(rows, columns)
     column_ids = torch.arange(columns)[None, :].expand(rows, columns)
-    in_blocks = lambda ids: ids.reshape(block_rows, merge, block_columns, merge).transpose(1, 2).reshape(-1)  # noqa: E731
-    positions = torch.stack([in_blocks(row_ids), in_blocks(column_ids)], dim=-1).repeat(frames, 1)
+    in_blocks = [ids.reshape(block_rows, merge, block_columns, merge).transpose(1, 2).reshape(-1)
+                 for ids in (row_ids, column_ids)]
+    positions = torch.stack(in_blocks, dim=-1).repeat(frames, 1)
     return GridLayout(
         window_order=window_order,
         window_groups=tuple(torch.stack(group) for group in groups.values()),

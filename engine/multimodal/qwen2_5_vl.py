@@ -60,7 +60,9 @@ class Qwen25VLKind:
             )
         text_width = self.text_config()["hidden_size"]
         if vision.out_hidden_size != text_width:
-            raise ValueError(f"the vision merger gives {vision.out_hidden_size} wide rows; the text model takes {text_width}")
+            raise ValueError(
+                f"the vision merger gives {vision.out_hidden_size} wide rows; the text model takes {text_width}"
+            )
         # The largest input: the biggest square whose side is a whole number of blocks within max_pixels.
         factor = vision.patch_size * vision.spatial_merge_size
         side = max(factor, math.isqrt(processing.max_pixels) // factor * factor)

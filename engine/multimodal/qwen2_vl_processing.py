@@ -57,11 +57,15 @@ class Qwen2VLImageProcessing:
         settings = read_image_processor_settings(folder)
         kind = settings.get("image_processor_type", "Qwen2VLImageProcessor")
         if kind.removesuffix("Fast").removesuffix("Pil") != "Qwen2VLImageProcessor":
-            raise ValueError(f"{folder}: image processor {kind!r} is not supported here; expected Qwen2VLImageProcessor")
+            raise ValueError(
+                f"{folder}: image processor {kind!r} is not supported here; expected Qwen2VLImageProcessor"
+            )
         size = settings.get("size") or {}
         do = lambda name: settings.get(f"do_{name}", True)  # noqa: E731 - the processor's own defaults: all on
         return cls(
-            min_pixels=int(settings.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56),
+            min_pixels=int(
+                settings.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56
+            ),
             max_pixels=int(
                 settings.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or 28 * 28 * 1280
             ),

@@ -163,7 +163,9 @@ def test_preprocessing_positions_and_encoder_equal_transformers(folder: Path, pr
         assert torch.equal(torch.cat(pieces, dim=1), positions[:, 0])
 
 
-def test_greedy_equals_transformers_batched_with_text(folder: Path, hf_runs: list[tuple[list[int], list[float]]]) -> None:
+def test_greedy_equals_transformers_batched_with_text(
+    folder: Path, hf_runs: list[tuple[list[int], list[float]]]
+) -> None:
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4)
     outputs = llm.chat(CONVERSATIONS, greedy(), use_tqdm=False)
     assert_equal_to_hf(outputs, hf_runs)
