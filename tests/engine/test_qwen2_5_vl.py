@@ -23,6 +23,7 @@ from engine.multimodal import ImageInput
 from engine.multimodal.positions import chunk_positions, position_shift
 from engine.multimodal.prompt import expand_image_prompt
 from engine.outputs import RequestOutput
+from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 
 pytestmark = pytest.mark.slow
 
@@ -287,3 +288,23 @@ def test_images_are_checked(folder: Path) -> None:
     with pytest.raises(ValueError, match="the prompt has 20 tokens"):  # 2 text tokens + 18 placeholders
         short.add_request("c", [4, IMAGE_PAD, 7], greedy(), images=[ImageInput(TALL)])
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE or not interpreter_enabled(), reason="Triton on CPU needs TRITON_INTERPRET=1")
+def test_triton_backend_on_cpu(folder: Path, hf_runs: list[tuple[list[int], list[float]]]) -> None:
+    """The Triton backend: [3, T] positions rotate in torch, the decode steps' shifted [T] ones in the kernel."""
+    llm = LLM(str(folder), dtype="float32", device="cpu", kernel_backend="triton", max_num_batched_tokens=16)
+    assert llm.engine.kernel_backend == "triton"
+    assert_equal_to_hf(llm.chat(CONVERSATIONS, greedy(), use_tqdm=False), hf_runs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda_graphs", "eager"])
+def test_cuda_engine(folder: Path, hf_runs: list[tuple[list[int], list[float]]], graphs: bool, cuda_llm) -> None:
+    """On a GPU: the encoder and the [3, T] prefill steps eagerly, decode steps (positions shifted by the images)
+    replayed from CUDA graphs or not."""
+    options = {"max_num_batched_tokens": 16, "cuda_graph_max_batch_size": 8 if graphs else 0}
+    llm = cuda_llm(str(folder), dtype="float32", **options)
+    assert (llm.engine.runner.decode_graphs is not None) == graphs
+    assert tokens(llm.chat(CONVERSATIONS, greedy(), use_tqdm=False)) == [run[0] for run in hf_runs]
