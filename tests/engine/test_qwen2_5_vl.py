@@ -295,7 +295,7 @@ def test_triton_backend_on_cpu(folder: Path, hf_runs: list[tuple[list[int], list
     """The Triton backend: [3, T] positions rotate in torch, the decode steps' shifted [T] ones in the kernel."""
     llm = LLM(str(folder), dtype="float32", device="cpu", kernel_backend="triton", max_num_batched_tokens=16)
     assert llm.engine.kernel_backend == "triton"
-    assert_equal_to_hf(llm.chat(CONVERSATIONS, greedy(), use_tqdm=False), hf_runs)
+    assert_equal_to_hf(llm.chat(CONVERSATIONS[:2], greedy(), use_tqdm=False), hf_runs[:2])  # the interpreter is slow
 
 
 @pytest.mark.cuda
