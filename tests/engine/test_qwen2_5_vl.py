@@ -131,6 +131,9 @@ def test_preprocessing_positions_and_encoder_equal_transformers(folder: Path, pr
         with torch.no_grad():
             rows = hf_model.model.visual(theirs["pixel_values"], grid_thw=theirs["image_grid_thw"]).pooler_output
             assert torch.equal(encoder(ours[None])[0], rows)
+    assert kind.pixel_shape == (1, 8, 8, 3 * 2 * 14 * 14)  # 112 x 112 px: the largest square within max_pixels
+    engine.runner.vision.run_largest_batch()  # what the CUDA memory profile runs beside the largest decoder step
+    assert engine.runner.vision.images_encoded == 0
     # Two images of different grids, then text: every prompt position and the first decode position
     conversation = CONVERSATIONS[1]
     text = engine.tokenizer.apply_chat_template(conversation)
