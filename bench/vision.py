@@ -1,12 +1,16 @@
-"""Images in batch lines: a mixed batch of image and text lines on a small random LLaVA-1.5, conveyor against
-transformers' `generate` in batches, in one run, on the same lines; then the encoder-output cache on chunked prompts.
+"""Images in batch lines: a mixed batch of image and text lines on a small random vision-language model, conveyor
+against transformers' `generate` in batches, in one run, on the same lines; then the encoder-output cache on chunked
+prompts.
 
-The model is LLaVA-1.5's architecture (CLIP tower, projector, Llama) scaled down, built and saved by transformers at
-run time with seeded random weights (bench/vision_models.py; `--shape small`: 112 px images, 64 placeholder tokens
-each, 4 + 4 layers; `--shape tiny`: the tests' model, 16 placeholders). The issue asks for a Qwen2.5-VL-like model;
-LLaVA-1.5 is the only vision family the engine has, so this is it. Every line is a user turn of random words from the
-tokenizer's vocabulary; every `--image-every`-th line carries one image of random size (PIL noise), all different.
-Decoding is greedy for exactly `--max-tokens` tokens on both sides (min_tokens / min_new_tokens).
+`--family qwen2_5_vl` (the default, the issue's "tiny-shape Qwen2.5-VL-like model"): Qwen2.5-VL's architecture
+(windowed ViT at dynamic resolution, 2 x 2 patch merger, Qwen2 decoder with M-RoPE) scaled down; `--shape small`:
+images resized to at most 224 x 224 px, up to 64 placeholder tokens each, 4 + 4 layers; `--shape tiny`: the tests'
+model, at most 112 x 140 px, up to 20 placeholders. `--family llava`: LLaVA-1.5's architecture (CLIP tower,
+projector, Llama); `small`: 112 px images, 64 placeholders, 4 + 4 layers; `tiny`: the tests' model, 16
+placeholders. Each is built and saved by transformers at run time with seeded random weights
+(bench/vision_models.py). Every line is a user turn of random words from the tokenizer's vocabulary; every
+`--image-every`-th line carries one image of random size (PIL noise, 20-200 px a side), all different. Decoding is
+greedy for exactly `--max-tokens` tokens on both sides (min_tokens / min_new_tokens).
 
   - conveyor: `LLM.chat` over the whole batch (continuous batching, the vision encoder run inside the steps).
   - HF: `generate` on `--hf-batch-size` lines at a time, the folder's processor building the padded batch
@@ -19,10 +23,10 @@ equal HF's (float32 should give all; bfloat16 and HF's padding may not). The sec
 with prefill chunks of `--chunk-tokens` tokens, so most images span several steps, with the encoder cache on and
 off: `stats()`'s images_encoded and encoder_cache_hits (hit rate = hits / (hits + encodes)).
 
-    python -m bench.vision                                  # small shape, float32, CPU
-    python -m bench.vision --shape tiny --lines 4 --max-tokens 4 --repeats 1 --chunk-tokens 5   # seconds
+    python -m bench.vision                                  # Qwen2.5-VL-like, small shape, float32, CPU
+    python -m bench.vision --family llava --shape tiny --lines 4 --max-tokens 4 --repeats 1 --chunk-tokens 5
 
-`--device cuda` puts both sides on a GPU (not yet run on one). There is no real-shape option yet (LLaVA-1.5-7B with
+`--device cuda` puts both sides on a GPU (not yet run on one). There is no real-shape option yet (Qwen2.5-VL-7B with
 dummy weights: a config-and-processor folder loaded with `load_format="dummy"` by conveyor, transformers' model
 built in GPU memory), as nothing in this project's sessions could run and check it.
 """
@@ -34,17 +38,53 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import vision_models
 from bench.common import markdown_table, run_cli
-from bench.vision_models import SMALL, TINY, WORDS, image, make_llava
+from bench.vision_models import image
 from engine import LLM, SamplingParams
 
-SHAPES = {"tiny": TINY, "small": SMALL}
+
+@dataclass(frozen=True)
+class Family:
+    """A vision-language family as the benchmark builds and runs it."""
+
+    label: str
+    shapes: dict[str, Any]  # --shape -> the builder's shape
+    make: Callable[[Path, Any], Path]  # (folder, shape) -> the saved folder
+    words: list[str]  # the tokenizer's named words: the random text uses the others ("w<i>")
+    hf_class: str  # the transformers model class
+    processor: Callable[[Path], Any]  # the folder's transformers processor
+    placeholders: Callable[[Any], str]  # image tokens per image, in words
+
+
+def _llava_processor(folder: Path) -> Any:
+    import transformers
+
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    processor.tokenizer.pad_token = processor.tokenizer.pad_token or "<unk>"  # the word-level tokenizer has none
+    return processor
+
+
+FAMILIES = {
+    "qwen2_5_vl": Family(
+        "Qwen2.5-VL-like", {"tiny": vision_models.QWEN_TINY, "small": vision_models.QWEN_SMALL},
+        vision_models.make_qwen2_5_vl, vision_models.QWEN_WORDS, "Qwen2_5_VLForConditionalGeneration",
+        vision_models.qwen_processor,
+        lambda shape: f"up to {shape.max_pixels // (2 * shape.patch) ** 2} image tokens per image, by its size",
+    ),
+    "llava": Family(
+        "LLaVA-1.5", {"tiny": vision_models.TINY, "small": vision_models.SMALL}, vision_models.make_llava,
+        vision_models.WORDS, "LlavaForConditionalGeneration", _llava_processor,
+        lambda shape: f"{(shape.image_size // shape.patch) ** 2} image tokens per image",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -65,7 +105,7 @@ class Side:
 def make_batch(args: argparse.Namespace, seed: int) -> list[list[dict[str, Any]]]:
     """`args.lines` one-turn conversations; every `image_every`-th has an image (its own seed, size in 20-200 px)."""
     rng = random.Random(seed)
-    words = [f"w{i}" for i in range(len(WORDS), 500)]
+    words = [f"w{i}" for i in range(len(FAMILIES[args.family].words), 500)]
     conversations = []
     for line in range(args.lines):
         text = " ".join(rng.choice(words) for _ in range(rng.randint(*args.prompt_words)))
@@ -112,10 +152,11 @@ def run_hf(model: Any, processor: Any, batch: list[list[dict[str, Any]]], args: 
 def load_hf(folder: Path, args: argparse.Namespace) -> tuple[Any, Any]:
     import transformers
 
-    processor = transformers.AutoProcessor.from_pretrained(folder)
+    family = FAMILIES[args.family]
+    processor = family.processor(folder)
     processor.tokenizer.padding_side = "left"  # generate appends on the right
-    processor.tokenizer.pad_token = processor.tokenizer.pad_token or "<unk>"  # the word-level tokenizer has none
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=getattr(torch, args.dtype))
+    model_class = getattr(transformers, family.hf_class)
+    model = model_class.from_pretrained(folder, dtype=getattr(torch, args.dtype))
     return model.to(args.device).eval(), processor
 
 
@@ -124,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", choices=SHAPES, default="small")
+    parser.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl")
+    parser.add_argument("--shape", choices=("tiny", "small"), default="small")
     parser.add_argument("--dtype", default="float32", help="both sides (float32: the outputs should be identical)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--lines", type=int, default=16)
@@ -138,17 +180,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    shape = SHAPES[args.shape]
-    placeholders = (shape.image_size // shape.patch) ** 2
+    family = FAMILIES[args.family]
+    shape = family.shapes[args.shape]
+    placeholders = family.placeholders(shape)
     print(
-        f"LLaVA-1.5 shape={args.shape} ({placeholders} image tokens) dtype={args.dtype} device={args.device} "
+        f"{family.label} shape={args.shape} ({placeholders}) dtype={args.dtype} device={args.device} "
         f"lines={args.lines} (an image every {args.image_every}) prompt-words={args.prompt_words[0]}-"
         f"{args.prompt_words[1]} max-tokens={args.max_tokens} hf-batch-size={args.hf_batch_size} "
         f"repeats={args.repeats} threads={torch.get_num_threads()}",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="bench-vision-") as scratch:
-        folder = make_llava(Path(scratch) / "llava", shape)
+        folder = family.make(Path(scratch) / args.family, shape)
         options = dict(dtype=args.dtype, device=args.device)
         llm = LLM(str(folder), enable_prefix_caching=False, max_num_seqs=args.lines, **options)
         model, processor = load_hf(folder, args)
@@ -186,7 +229,7 @@ def run(args: argparse.Namespace) -> None:
                 label, result.images, stats.images_encoded, stats.encoder_cache_hits,
                 f"{stats.encoder_cache_hits / lookups:.0%}" if lookups else "n/a", f"{same}/{args.lines}",
             ])
-        print(f"chunked prefill: max_num_batched_tokens={args.chunk_tokens}, {placeholders} image tokens per image")
+        print(f"chunked prefill: max_num_batched_tokens={args.chunk_tokens}, {placeholders}")
         print(markdown_table(
             ["run", "images", "encoder runs", "encoder cache hits", "hit rate", "identical to HF"], rows
         ))

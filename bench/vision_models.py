@@ -6,6 +6,7 @@ is the same model."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,3 +89,115 @@ def make_llava(folder: Path, shape: LlavaShape = TINY) -> Path:
 
 def image(seed: int, height: int, width: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+# Qwen2.5-VL: a word-level tokenizer holding the special tokens of Qwen's chat template, which is the Hub's (less its
+# video and vision-id branches: images and text only reach it here).
+QWEN_WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+              "<|video_pad|>", "system", "user", "assistant", "You", "are", "a", "helpful", ".", "describe", "this",
+              "picture", "what", "is", "in", "it", "compare", "the", "two", "pictures", "hello", "there"]
+QWEN_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class QwenVLShape:
+    """A Qwen2.5-VL: a windowed ViT (2 x 2 patches merged into one placeholder token) and a Qwen2 decoder with
+    M-RoPE; images are resized to between `min_pixels` and `max_pixels` (multiples of 2 patches a side)."""
+
+    patch: int  # pixels per patch side
+    window: int  # pixels per attention window side (full attention in the last vision block)
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    text_hidden: int
+    text_layers: int
+    text_heads: int  # the text tower has half as many KV heads
+    min_pixels: int
+    max_pixels: int
+
+
+QWEN_TINY = QwenVLShape(patch=14, window=56, vision_hidden=32, vision_layers=2, vision_heads=2, text_hidden=64,
+                        text_layers=2, text_heads=4, min_pixels=56 * 56, max_pixels=112 * 140)
+QWEN_SMALL = QwenVLShape(patch=14, window=112, vision_hidden=128, vision_layers=4, vision_heads=4, text_hidden=256,
+                         text_layers=4, text_heads=8, min_pixels=56 * 56, max_pixels=224 * 224)
+
+
+def make_qwen2_5_vl(folder: Path, shape: QwenVLShape = QWEN_TINY) -> Path:
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    # Every id of the model's 512 has a token (an id without one would decode to nothing)
+    vocab = {word: i for i, word in enumerate(QWEN_WORDS)} | {f"w{i}": i for i in range(len(QWEN_WORDS), 511)}
+    vocab["<unk>"] = 511
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in QWEN_WORDS[:7]])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = QWEN_TEMPLATE
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=shape.min_pixels, max_pixels=shape.max_pixels, patch_size=shape.patch, merge_size=2,
+        temporal_patch_size=2,
+    )
+    head_dim = shape.text_hidden // shape.text_heads
+    section = [head_dim // 8, 3 * head_dim // 16, head_dim // 2 - head_dim // 8 - 3 * head_dim // 16]
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=dict(
+            depth=shape.vision_layers, hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
+            num_heads=shape.vision_heads, patch_size=shape.patch, spatial_merge_size=2, temporal_patch_size=2,
+            window_size=shape.window, out_hidden_size=shape.text_hidden,
+            fullatt_block_indexes=[shape.vision_layers - 1],
+        ),
+        text_config=dict(
+            vocab_size=512, hidden_size=shape.text_hidden, intermediate_size=2 * shape.text_hidden,
+            num_hidden_layers=shape.text_layers, num_attention_heads=shape.text_heads,
+            num_key_value_heads=shape.text_heads // 2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0},
+            bos_token_id=0, eos_token_id=QWEN_WORDS.index("<|im_end|>"),
+        ),
+        image_token_id=QWEN_WORDS.index("<|image_pad|>"), video_token_id=QWEN_WORDS.index("<|video_pad|>"),
+        vision_start_token_id=QWEN_WORDS.index("<|vision_start|>"),
+        vision_end_token_id=QWEN_WORDS.index("<|vision_end|>"), tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # a larger spread than the init's, so that every image moves the greedy tokens
+        for parameter in model.model.visual.merger.parameters():
+            parameter.mul_(20)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # The processor's parts as the Hub publishes them (preprocessor_config.json naming the processor): transformers
+    # saves a Qwen2_5_VLProcessor only with its video processor, which needs torchvision.
+    image_processor.save_pretrained(folder)
+    settings = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps({**settings, "processor_class": "Qwen2_5_VLProcessor"}))
+    return folder
+
+
+def qwen_processor(folder: Path):
+    """transformers' `Qwen2_5_VLProcessor` over the folder's tokenizer and image processor, without a video processor
+    (transformers' needs torchvision): the oracle's processor for images and text."""
+    from unittest import mock
+
+    import transformers
+
+    check = transformers.ProcessorMixin.check_argument_for_proper_class
+
+    def check_present(self, name, argument):  # the absent video processor is no argument to check
+        return None if argument is None else check(self, name, argument)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    image_processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(folder)
+    with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", check_present):
+        return transformers.Qwen2_5_VLProcessor(
+            image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+        )

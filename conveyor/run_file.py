@@ -77,8 +77,9 @@ def run_batch_file(
 
     # Image lines are read on their own threads while the embedder runs; then each is rendered with its images and
     # placed (or fails with its own code), and joins the text lines in the engine's one generate call. Every image
-    # line's pixels are held until that call ends (~1.35 MB an image for LLaVA-1.5): `conveyor run` is for files that
-    # fit in memory; the service bounds them per chunk (CONVEYOR_IMAGE_LINES_IN_FLIGHT). s3:// images need the service.
+    # line's pixels are held until that call ends (~1.35 MB an image for LLaVA-1.5, ~24 MB a megapixel for Qwen2.5-VL):
+    # `conveyor run` is for files that fit in memory; the service bounds them per chunk
+    # (CONVEYOR_IMAGE_LINES_IN_FLIGHT). s3:// images need the service.
     placed: dict[int, PlacedLine] = {}
     with ImagePrefetch(ImageSources(ImageLimits(), AllowList(frozenset(), ()))) as prefetch:
         images = {

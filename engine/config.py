@@ -132,6 +132,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # the same on the output logits (Gemma 2)
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3); None: rope_theta
+    # M-RoPE (Qwen2.5-VL's decoder): the rotary frequencies split in sections of these many, rotated by a token's
+    # temporal, height and width position in turn (models/llama.py: RotaryEmbedding); None: one position per token
+    mrope_section: tuple[int, ...] | None = None
     moe: MoeConfig | None = None  # mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE); None: dense
     quantization: QuantizationConfig | None = None  # the checkpoint's (a GGUF import's); None: unquantized
 
@@ -196,6 +199,7 @@ class ModelConfig:
             attn_logit_softcapping=hf.get("attn_logit_softcapping") if gemma else None,
             final_logit_softcapping=hf.get("final_logit_softcapping") if gemma else None,
             local_rope_theta=local_rope_theta,
+            mrope_section=_mrope_section(hf),
             moe=MoeConfig.from_hf(hf, architecture) if architecture in _MOE_ARCHITECTURES else None,
             quantization=quantization,
         )
@@ -218,11 +222,26 @@ def _rope_settings(hf: dict[str, Any], architecture: str) -> tuple[float, dict[s
     rope_scaling = hf.get("rope_scaling")
     if rope_scaling is None and params.get("rope_type", "default") != "default":
         rope_scaling = params
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "mrope":
+        rope_scaling = None  # the Hub's Qwen2-VL configs: the default rotation, in sections (_mrope_section)
     if rope_scaling is not None and _is_long_rope(rope_scaling, architecture):
         if local_theta is not None:
             raise ValueError("LongRoPE with a second RoPE base for the sliding-window layers is not supported")
         rope_scaling = _long_rope_scaling(hf, rope_scaling, architecture)
     return float(rope_theta), rope_scaling, None if local_theta is None else float(local_theta)
+
+
+def _mrope_section(hf: dict[str, Any]) -> tuple[int, ...] | None:
+    """M-RoPE's sections (Qwen2-VL, Qwen2.5-VL), from `rope_scaling` (the Hub's configs) or `rope_parameters`
+    (transformers 5); they must cover head_dim / 2 frequencies."""
+    for settings in (hf.get("rope_scaling"), hf.get("rope_parameters")):
+        if isinstance(settings, dict) and settings.get("mrope_section"):
+            section = tuple(int(size) for size in settings["mrope_section"])
+            head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+            if len(section) != 3 or sum(section) != head_dim // 2:
+                raise ValueError(f"mrope_section {list(section)} must be 3 sections of head_dim / 2 = {head_dim // 2}")
+            return section
+    return None
 
 
 def _is_long_rope(scaling: dict[str, Any], architecture: str) -> bool:

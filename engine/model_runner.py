@@ -18,6 +18,7 @@ from engine.kv_cache import KVCaches
 from engine.lora import LoRAAdapter, LoRASlotWeights
 from engine.models.llama import LlamaForCausalLM
 from engine.multimodal.encoder_step import EncoderStep
+from engine.multimodal.positions import chunk_positions
 from engine.prompt_logprobs import PromptLogprobs, score_prompts
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
@@ -217,6 +218,16 @@ class ModelRunner:
             index = to_device(output.blocks_to_copy, torch.int64, self.device)
             self._copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], index)
 
+    def _positions(self, flat: list[int], grids: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """The step's positions: [T], or [3, T] (temporal, height, width; a text token's three equal) when a chunk
+        holds image placeholders with grid positions, for a decoder with M-RoPE."""
+        if not grids:
+            return to_device(flat, torch.int64, self.device)
+        positions = torch.tensor(flat, dtype=torch.int64).expand(3, -1).clone()
+        for index, rows in grids:
+            positions[:, index : index + rows.shape[1]] = rows
+        return positions.to(self.device)
+
     def _prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         block_size = self.block_size
         token_ids: list[int] = []
@@ -225,11 +236,19 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        grid_positions: list[tuple[int, torch.Tensor]] = []  # (step token index, [3, n]): M-RoPE placeholders
         for item in output.scheduled:
             start, table = item.start_position, item.block_table
             stop = start + item.num_new_tokens
             token_ids.extend(item.token_ids)
-            positions.extend(self.model.long_rope_rows(range(start, stop)) if item.long_rope else range(start, stop))
+            if item.long_rope:
+                positions.extend(self.model.long_rope_rows(range(start, stop)))
+            elif item.images or item.position_shift:
+                flat, grids = chunk_positions(start, stop, item.position_shift, item.images)
+                grid_positions.extend((len(positions) + index, rows) for index, rows in grids)
+                positions.extend(flat)
+            else:
+                positions.extend(range(start, stop))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, stop))
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
             seq_lens.append(stop)
@@ -250,7 +269,7 @@ class ModelRunner:
         )
         return (
             to_device(token_ids, torch.int64, device),
-            to_device(positions, torch.int64, device),
+            self._positions(positions, grid_positions),
             metadata,
             to_device(logits_indices, torch.int64, device),
         )

@@ -47,6 +47,7 @@ from engine.adapter_slots import AdapterSlots
 from engine.block_manager import BlockManager, BlockPairs
 from engine.config import EngineConfig
 from engine.multimodal.inputs import PlacedImage, images_within
+from engine.multimodal.positions import position_shift
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -64,6 +65,9 @@ class ScheduledSequence:
     prompt_top_logprobs: int = 0
     adapter_slot: int = -1  # the device slot of its LoRA adapter (SamplingParams.adapter); -1: the base model
     images: tuple[PlacedImage, ...] = ()  # the prompt images whose placeholders this chunk computes
+    # How many positions earlier than its index the chunk's first token sits: the prompt's images before it with
+    # grid positions (M-RoPE) took fewer positions than placeholders (engine/multimodal/positions.py); 0 otherwise.
+    position_shift: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -427,6 +431,7 @@ class Scheduler:
             prompt_top_logprobs=(seq.params.prompt_logprobs or 0) if targets else 0,
             adapter_slot=adapter_slot,
             images=images_within(seq.images, start, stop) if seq.images else (),
+            position_shift=position_shift(seq.images, start) if seq.images else 0,
         )
 
     def update(self, output: SchedulerOutput, seqs: list[Sequence], forks: list[tuple[Sequence, Sequence]],

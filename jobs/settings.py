@@ -223,7 +223,8 @@ class Settings(BaseSettings):
     image_lines_in_flight: Annotated[int, Integer] = Field(
         ImageLimits.lines_in_flight,
         description="image lines of one running chunk fetched, decoded or in the engine at once (each holds its "
-        "images' pixels, ~1.35 MB an image for LLaVA-1.5); the chunk's other image lines wait their turn",
+        "images' pixels, ~1.35 MB an image for LLaVA-1.5, 24 bytes per resized pixel for Qwen2.5-VL: ~24 MB at 1000 x "
+        "1000 px); the chunk's other image lines wait their turn",
     )
     image_allowed_hosts: str = Field(
         "",

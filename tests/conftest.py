@@ -100,6 +100,14 @@ def llava_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_llava(tmp_path_factory.mktemp("llava"))
 
 
+@pytest.fixture(scope="session")
+def qwen2_5_vl_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2.5-VL folder saved by transformers (bench/vision_models.py), built once per session."""
+    from bench.vision_models import make_qwen2_5_vl
+
+    return make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
 def hf_smollm2(dtype: torch.dtype = torch.float32):
     """transformers' SmolLM2, read from the bundled GGUF file itself (dequantized by gguf-py to `dtype`): the
     oracle of the engine's runs of it (the converted folder keeps quantized blocks only this engine reads)."""

@@ -1,5 +1,6 @@
-"""The images benchmark at the tests' tiny LLaVA shape: `python -m bench.vision` prints both tables, conveyor's tokens
-equal HF's batched `generate`, and the chunked run reuses encoder outputs only with the encoder cache on."""
+"""The images benchmark at the tests' tiny shapes, Qwen2.5-VL-like and LLaVA: `python -m bench.vision` prints both
+tables, conveyor's tokens equal HF's batched `generate`, and the chunked run reuses encoder outputs only with the
+encoder cache on."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_vision_bench_prints_the_tables(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_vision_bench_prints_the_tables(capsys: pytest.CaptureFixture[str], family: str) -> None:
     from bench import vision
 
     vision.main([
-        "--shape", "tiny", "--lines", "4", "--max-tokens", "4", "--repeats", "1", "--chunk-tokens", "5",
+        "--family", family, "--shape", "tiny", "--lines", "4", "--max-tokens", "4", "--repeats", "1", "--chunk-tokens", "5",
         "--hf-batch-size", "2",
     ])
     out = capsys.readouterr().out

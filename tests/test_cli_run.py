@@ -372,3 +372,42 @@ def test_run_answers_image_lines_with_a_vision_model(tmp_path: Path, llava_folde
         answers[custom_id] = expected
     assert len(by_id["two"]["response"]["body"]["choices"]) == 2
     assert answers["one"] != answers["other"], "the tiny model should tell the images apart"
+
+
+@pytest.mark.slow
+def test_run_answers_image_lines_with_qwen2_5_vl(tmp_path: Path, qwen2_5_vl_folder: Path) -> None:
+    """Image lines on a tiny Qwen2.5-VL folder (images of three sizes: 6, 6 + 18 placeholder tokens), mixed with a
+    text line: each answers as transformers' `generate` with the model's processor does, token for token, and its
+    usage counts the placeholders its images' sizes give."""
+    import torch
+    import transformers
+
+    from bench.vision_models import image, qwen_processor
+
+    chat = "/v1/chat/completions"
+    wide, small, tall = image(1, 56, 84), image(2, 40, 33), image(3, 200, 90)
+    greedy = {"temperature": 0, "max_tokens": 6, "min_tokens": 6, "logprobs": True}
+    cases = [("one", "describe this picture", [wide]), ("two", "compare the two pictures", [small, tall]),
+             ("text", "hello there", [])]
+    lines = []
+    for custom_id, text, pictures in cases:
+        parts = [{"type": "image_url", "image_url": {"url": png_data_url(p)}} for p in pictures]
+        parts.append({"type": "text", "text": text})
+        lines.append(request_line(custom_id, chat, {"messages": [{"role": "user", "content": parts}], **greedy}))
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    command = ["run", "-i", str(source), "-o", str(results), "--model", str(qwen2_5_vl_folder), "--dtype", "float32"]
+    assert main(command) == 0
+    by_id = {record["custom_id"]: record for record in map(json.loads, results.read_text().splitlines())}
+
+    processor = qwen_processor(qwen2_5_vl_folder)
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen2_5_vl_folder, dtype=torch.float32)
+    for custom_id, text, pictures in cases:
+        parts = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": text}]
+        prompt = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+        inputs = processor(images=pictures or None, text=prompt, return_tensors="pt")
+        output = model.eval().generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        expected = processor.tokenizer.convert_ids_to_tokens(output[0, inputs["input_ids"].shape[1]:].tolist())
+        body = by_id[custom_id]["response"]["body"]
+        assert body["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1], custom_id  # with the placeholders
+        assert [entry["token"] for entry in body["choices"][0]["logprobs"]["content"]] == expected, custom_id

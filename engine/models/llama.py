@@ -198,14 +198,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
         self.kernels = kernels
+        # M-RoPE: which of a token's (temporal, height, width) positions each frequency turns by
+        axes = [axis for axis, size in enumerate(config.mrope_section or ()) for _ in range(size)]
+        self.register_buffer("mrope_axes", torch.tensor(axes, dtype=torch.int64), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
-        if self.kernels == "triton":
+        """`positions`: [T], or [3, T] (M-RoPE: each frequency of a token turns by one of its three positions, as
+        transformers' `mrope_section` splits them; a step without image placeholders passes [T], all three equal)."""
+        if positions.dim() == 2:  # the torch rotation on every backend (the Triton kernel reads one position)
+            axes = self.mrope_axes.expand(1, positions.shape[1], -1)
+            cos, sin = self.cos[positions].gather(0, axes)[0], self.sin[positions].gather(0, axes)[0]
+        elif self.kernels == "triton":
             return RopeStep(positions, self.cos, self.sin, None, None)
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        else:
+            cos, sin = self.cos[positions], self.sin[positions]
         in_place = self.kernels == "cpu" and dtype in _CPU_KERNEL_DTYPES
-        return RopeStep(positions, self.cos, self.sin, cos, sin, in_place)
+        return RopeStep(positions, self.cos, self.sin, cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype), in_place)
 
 
 class Attention(nn.Module):
@@ -345,7 +353,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T] each token's position (its rotary row: long_rope_rows on LongRoPE's long factors)
+        # [T] each token's position (its rotary row: long_rope_rows on LongRoPE's long factors); [3, T] with M-RoPE
+        positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden] instead of embedding input_ids (image rows spliced in)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-_RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
+RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
              3: Image.Resampling.BICUBIC, 4: Image.Resampling.BOX, 5: Image.Resampling.HAMMING}
 
 
@@ -73,18 +73,25 @@ class ClipImageProcessing:
         image = image.convert("RGB") if image.mode != "RGB" else image
         size = self._resized(*image.size)
         if size != image.size:
-            image = image.resize(size, resample=_RESAMPLE[self.resample], reducing_gap=None)
+            image = image.resize(size, resample=RESAMPLE[self.resample], reducing_gap=None)
         pixels = np.asarray(image).transpose(2, 0, 1)  # CHW uint8
         if self.crop is not None:
             pixels = _center_crop(pixels, *self.crop)
-        if self.rescale_factor is not None:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.mean is not None and self.std is not None:
-            pixels = pixels if np.issubdtype(pixels.dtype, np.floating) else pixels.astype(np.float32)
-            mean = np.array(self.mean, dtype=pixels.dtype)[:, None, None]
-            std = np.array(self.std, dtype=pixels.dtype)[:, None, None]
-            pixels = (pixels - mean) / std
-        return torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32))
+        return torch.from_numpy(rescale_and_normalize(pixels, self.rescale_factor, self.mean, self.std))
+
+
+def rescale_and_normalize(
+    pixels: np.ndarray, rescale_factor: float | None, mean: tuple[float, ...] | None, std: tuple[float, ...] | None
+) -> np.ndarray:
+    """CHW uint8 pixels rescaled (in float64, then float32) and normalised per channel, as transformers' PIL backend
+    does; float32, contiguous."""
+    if rescale_factor is not None:
+        pixels = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    if mean is not None and std is not None:
+        pixels = pixels if np.issubdtype(pixels.dtype, np.floating) else pixels.astype(np.float32)
+        channel_mean = np.array(mean, dtype=pixels.dtype)[:, None, None]
+        pixels = (pixels - channel_mean) / np.array(std, dtype=pixels.dtype)[:, None, None]
+    return np.ascontiguousarray(pixels, dtype=np.float32)
 
 
 def _center_crop(pixels: np.ndarray, crop_height: int, crop_width: int) -> np.ndarray:

@@ -25,12 +25,25 @@ class ImageInput:
 class PlacedImage:
     """An image inside an expanded prompt: its placeholder tokens are prompt positions [offset, offset + length).
     `content_hash` names what the encoder sees (its preprocessed pixels): it keys the encoder-output cache and
-    enters the prefix-cache names of the blocks holding its placeholders."""
+    enters the prefix-cache names of the blocks holding its placeholders.
+
+    Rotary positions: by default each placeholder takes one position, as a text token does. A family with
+    multi-axis rotary positions (Qwen2.5-VL's M-RoPE) gives `rotary_positions`: each placeholder's (temporal, height,
+    width) position relative to the image's first one; the image then takes `position_span` positions (the largest
+    relative position plus one) and the tokens after it continue from there (engine/multimodal/positions.py)."""
 
     offset: int  # prompt position of its first placeholder token
     length: int  # placeholder tokens = embedding rows the encoder gives it
     content_hash: bytes
     pixel_values: "torch.Tensor"  # the model's preprocessed input, e.g. [3, H, W] float32
+    rotary_positions: "torch.Tensor | None" = None  # [3, length] int64 relative positions; None: one each, 1-D
+    position_span: int = 0  # rotary positions the image takes (= length when rotary_positions is None)
+
+    def __post_init__(self) -> None:
+        if self.rotary_positions is None:
+            object.__setattr__(self, "position_span", self.length)
+        else:
+            object.__setattr__(self, "position_span", int(self.rotary_positions.max()) + 1)
 
     @property
     def stop(self) -> int:

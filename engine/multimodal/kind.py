@@ -47,6 +47,12 @@ class VisionLanguageKind(Protocol):
         ValueError for a `detail` the family refuses."""
         ...
 
+    def rotary_positions(self, pixel_values: torch.Tensor) -> torch.Tensor | None:
+        """Each placeholder's rotary position relative to the image's first, [3, placeholders] (temporal, height,
+        width) for a decoder with multi-axis rotary positions (M-RoPE); None where placeholders take one position
+        each, as text tokens do."""
+        ...
+
     def route(self, name: str) -> tuple[CheckpointPart, str] | None:
         """Which part a checkpoint tensor belongs to, under the name that part's loader reads; None: unused."""
         ...

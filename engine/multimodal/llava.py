@@ -122,6 +122,9 @@ class LlavaKind:
             raise ValueError(f"image detail {image.detail!r} is not one of {DETAILS}")
         return self.processing(image.image)
 
+    def rotary_positions(self, pixel_values: torch.Tensor) -> None:
+        return None  # a Llama-family decoder: one position per placeholder
+
     def route(self, name: str) -> tuple[CheckpointPart, str] | None:
         if name.startswith(("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.")):
             name = name.removeprefix("model.")

@@ -48,6 +48,7 @@ def expand_image_prompt(
         digest = hashlib.blake2b(digest_size=16)
         digest.update(repr((tuple(pixel_values.shape), str(pixel_values.dtype))).encode())
         digest.update(pixel_values.contiguous().numpy().tobytes())
-        placed.append(PlacedImage(len(expanded), length, digest.digest(), pixel_values))
+        rotary = kind.rotary_positions(pixel_values)
+        placed.append(PlacedImage(len(expanded), length, digest.digest(), pixel_values, rotary))
         expanded.extend([token] * length)
     return expanded, tuple(placed)

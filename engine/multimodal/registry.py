@@ -8,9 +8,11 @@ from typing import Any
 
 from engine.multimodal.kind import VisionLanguageKind
 from engine.multimodal.llava import LlavaKind
+from engine.multimodal.qwen2_5_vl import Qwen25VLKind
 
 FAMILIES: dict[str, Callable[[dict[str, Any], Path], VisionLanguageKind]] = {
     "LlavaForConditionalGeneration": LlavaKind,
+    "Qwen2_5_VLForConditionalGeneration": Qwen25VLKind,
 }
 
 

@@ -40,7 +40,8 @@ class ImageLimits:
     fetch_timeout_seconds: float = 10.0  # the whole fetch of one URL: connection, redirects and body
     fetch_threads: int = 8  # images fetched and decoded at once per chunk
     # Image lines of one chunk fetched, decoded or in the engine at once: each holds its decoded images and, queued in
-    # the engine, its preprocessed pixels (LLaVA-1.5: 3 x 336 x 336 float32, ~1.35 MB an image) until it finishes
+    # the engine, its preprocessed pixels (LLaVA-1.5: 3 x 336 x 336 float32, ~1.35 MB an image; Qwen2.5-VL: its
+    # patches over two frames, float32, 24 bytes per pixel of the resized image) until it finishes
     lines_in_flight: int = 64
 
 
