@@ -42,12 +42,18 @@ import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
 import torch
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_INT8_DECODE_SOURCE = Path(__file__).with_name("kv_int8_decode.cpp")
+_INT8_DECODE_BODY = Path(__file__).with_name("kv_int8_decode_body.h")
+
+# The int8 cache's decode attention paths: `auto` the widest this CPU runs for the call's head_dim and dtype.
+Int8DecodePath = Literal["auto", "avx512", "avx2", "portable"]
 
 
 @cache
@@ -64,6 +70,35 @@ def load_cpu_kernels() -> ModuleType | None:
     except Exception as error:  # any build failure means: use the torch path
         log.warning("CPU kernels unavailable, using the torch path: %s", error)
         return None
+
+
+@cache
+def load_int8_decode_kernels() -> ModuleType | None:
+    """The int8 cache's AVX-512 / AVX2 decode attention (`kv_int8_decode.cpp`, one build for any x86-64, the path
+    picked at run time), or None where it cannot be built: the portable kernel then reads int8 caches."""
+    try:
+        return load_extension(
+            f"conveyor_kv_int8_decode_{build_digest(_INT8_DECODE_SOURCE, _INT8_DECODE_BODY)}",
+            "the int8 KV cache's decode attention",
+            [_INT8_DECODE_SOURCE],
+            extra_cflags=["-O3", "-fopenmp"],  # no -march=native: each path is compiled for its instruction set
+            extra_ldflags=["-fopenmp"],  # at::parallel_for runs its threads through OpenMP
+        )
+    except Exception as error:  # any build failure means: the portable kernel
+        log.warning("int8 decode attention kernels unavailable, using the portable kernel: %s", error)
+        return None
+
+
+@cache  # asked by every layer of every step
+def int8_decode_paths(head_dim: int, dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths `paged_decode_attention` can take here for an int8 cache, narrowest first: `portable` (the C++
+    kernels' own, any head_dim and dtype), then `avx2` and `avx512` for head_dim 32/64/128/256 and float32 or bf16
+    queries on a CPU that runs them."""
+    kernels = load_int8_decode_kernels()
+    if kernels is None or not kernels.supports(head_dim) or dtype not in (torch.float32, torch.bfloat16):
+        return ("portable",)
+    order = ("portable", "avx2", "avx512")
+    return order[: order.index(kernels.best_isa()) + 1] if kernels.best_isa() in order else ("portable",)
 
 
 def load_extension(
@@ -133,7 +168,21 @@ def paged_decode_attention(
     out: torch.Tensor,  # [T, num_heads, head_dim] contiguous: rows in token_index are written
     window: int | None = None,  # sliding window: the row attends its last `window` positions only
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
+    int8_path: Int8DecodePath = "auto",  # an int8 cache's kernel (tests and the benchmark force each)
 ) -> None:
+    if k_cache.dtype == torch.int8:
+        paths = int8_decode_paths(query.shape[-1], query.dtype)
+        path = paths[-1] if int8_path == "auto" else int8_path
+        if path not in paths:
+            raise ValueError(f"no {path} int8 decode attention here for head_dim {query.shape[-1]}, {query.dtype}")
+        if path != "portable":
+            load_int8_decode_kernels().decode_attention(
+                query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale, window or 0, softcap or 0.0,
+                path,
+            )
+            return
+    elif int8_path != "auto":
+        raise ValueError(f"int8_path {int8_path!r} is for int8 caches; this one is {k_cache.dtype}")
     _kernels().paged_decode_attention(
         query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale, window or 0, softcap or 0.0
     )
