@@ -60,7 +60,9 @@ static inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); 
 static inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
 static inline float reduce_add(vec v) { return _mm512_reduce_add_ps(v); }
+static inline float reduce_max(vec v) { return _mm512_reduce_max_ps(v); }
 static inline vec load_int8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -106,6 +108,12 @@ static inline vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); 
 static inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline vec sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec max(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline float reduce_max(vec v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
 static inline float reduce_add(vec v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));

@@ -1,6 +1,6 @@
 // The body of the int8-cache decode attention, compiled once per instruction set by kv_int8_decode.cpp, which
 // includes it inside `namespace isa_<name>` under `#pragma GCC target(...)` after defining that set's `vec` (W float
-// lanes) and its helpers: load / store / set1 / fmadd / mul / sub / max, load_int8 (W int8 values widened to float,
+// lanes) and its helpers: load / store / set1 / fmadd / mul / add / sub / max, load_int8 (W int8 values widened to float,
 // exactly), reduce_max / reduce_add, exp2 and sum_lanes (W vectors -> one whose lane i is the sum of vector i).
 //
 // The shape of cpu_kernels.cpp's decode_kernel_bf16: a task is one sequence (handed out one at a time: lengths
@@ -103,6 +103,8 @@ void decode(const q_t* query, int64_t query_row_stride, int64_t query_head_strid
             std::memcpy(&k_scale[t], k_row + kDim, sizeof(float));  // unaligned: rows are kDim + 4 bytes apart
             std::memcpy(&v_scale[t], v_row + kDim, sizeof(float));
           }
+          // The last vector's positions past the span's end: zero keys (their scores are then set aside below).
+          std::fill(keys + n * kDim, keys + (n + W - 1) / W * W * kDim, 0.f);
           for (int64_t j = 0; j < group; ++j) {
             const int64_t h = kv * group + j;
             prefetch_step(j + 1);
@@ -110,20 +112,19 @@ void decode(const q_t* query, int64_t query_row_stride, int64_t query_head_strid
             for (int64_t piece = 0; piece * W < n; ++piece) {
               vec partial[W];
               for (int64_t t = 0; t < W; ++t) {
-                vec dot = set1(0.f);
-                if (piece * W + t < n) {
-                  const float* key = keys + (piece * W + t) * kDim;
-                  for (int64_t c = 0; c < kVecs; ++c) dot = fmadd(load(qh + W * c), load(key + W * c), dot);
-                }
+                const float* key = keys + (piece * W + t) * kDim;
+                vec dot = mul(load(qh), load(key));
+                for (int64_t c = 1; c < kVecs; ++c) dot = fmadd(load(qh + W * c), load(key + W * c), dot);
                 partial[t] = dot;
               }
               store(s + piece * W, mul(sum_lanes(partial), load(k_scale + piece * W)));
             }
             if (softcap > 0.f)
               for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
-            float top = kNoScore;
-            for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-            const float new_max = std::max(running_max[h], top * 1.44269504088896341f);  // log2 units
+            for (int64_t t = n; t < (n + W - 1) / W * W; ++t) s[t] = kNoScore;  // past the span's last position
+            vec top = set1(kNoScore);
+            for (int64_t piece = 0; piece * W < n; ++piece) top = max(top, load(s + piece * W));
+            const float new_max = std::max(running_max[h], reduce_max(top) * 1.44269504088896341f);  // log2 units
             const float correction = std::exp2(running_max[h] - new_max);
             running_max[h] = new_max;
             vec total = set1(0.f);
