@@ -196,7 +196,8 @@ def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
 
 def paged_prefill_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim] bf16; head_dim contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], the chunks' K/V already written
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16, or int8 rows of head_dim + 4
+    # (kernels/kv_quant.py, dequantized to bf16 as read); the chunks' K/V already written
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32: context length of each sequence after its chunk
