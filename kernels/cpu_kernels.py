@@ -7,8 +7,9 @@ heads of a kv head at a time (in bf16 on a CPU with AVX-512 BF16: q.k and p.v bo
 from the cache's bf16, the probabilities rounded to bf16 as torch's bf16 attention rounds them, one
 softmax step per 64 positions, the next rows prefetched since blocks lie anywhere in the cache: 64
 sequences of 400 positions in SmolLM2-135M's shape, two threads, 0.79 ms a layer where widening the
-values to float32 for p.v took 2.0, and a plain read of the K/V 0.56; an int8 cache, kernels/kv_quant.py, goes to the
-portable kernel, which dequantizes each row as it widens it, 16 values at a time with AVX-512, 8 with AVX2);
+values to float32 for p.v took 2.0, and a plain read of the K/V 0.56; an int8 cache, kernels/kv_quant.py, goes to
+`kv_int8_decode.cpp`, a separate build with AVX-512 and AVX2 paths picked at run time (`load_int8_decode_kernels`),
+else to the portable kernel here, which dequantizes each row as it widens it);
 the RMSNorm fuses the residual add and the float32 statistics into one pass per row; in bf16 and fp16
 the rotary embedding (in place, bit for bit the torch expression), SwiGLU's silu(gate) * up and the
 K/V cache writes are one pass each instead of several torch ops. Their oracles are
@@ -21,7 +22,8 @@ Their bf16 LayerNorm reads each row once (torch's: 1.7x the time); its oracle is
 bitmask kernel sets the logits of disallowed tokens to -inf a 32-token word at a time (256 rows of a 49k vocabulary:
 1.4 ms against 38 ms for xgrammar's CPU kernel); its oracle is a masked_fill of the unpacked bits.
 The bf16 prefill attention (AVX-512 BF16) attends every prefill chunk of a step in one call straight from the
-paged cache: each sequence's K/V packed once per kv head into dpbf16ps' pair layout, then tiles of query rows
+paged cache (bf16, or int8 rows dequantized to bf16 as they are packed): each sequence's K/V packed once per kv head
+into dpbf16ps' pair layout, then tiles of query rows
 with an online softmax per 64-key span (33 prompts of 32-512 tokens, SmolLM2's heads: about half the machine's
 bf16 matmul peak, 7-16x torch's flash attention called per sequence); its oracle is `paged_attention_reference`
 in float32, which it meets as closely as torch's bf16 path. The greedy sampler's pass finds each row's first
