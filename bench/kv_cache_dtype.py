@@ -10,9 +10,12 @@ On the CPU two more things, in the same run: a third tok/s row, int8 with the de
 portable C++ kernel (what every int8 cache ran before the AVX-512 / AVX2 kernels), and the decode attention alone
 per layer in the model's head shape (`--attention-seqs` sequences of `--attention-len` positions, scattered blocks):
 a float32 cache, a bf16 cache and the int8 cache on each of its paths, timed in interleaved rounds (the median of
-each), so that a busy machine slows every row alike.
+each), so that a busy machine slows every row alike. Both tables give CPU-time figures beside the wall clock's (on
+a busy machine the wall clock also counts waiting for a core; `OMP_NUM_THREADS=1` keeps a parallel region from
+waiting on a thread that has none).
 
     python -m bench.kv_cache_dtype --kv-cache-memory 33554432 --num-requests 32 --prompt-len 64 256 --output-len 128 128
+    python -m bench.kv_cache_dtype --attention-only --attention-shape 32 8 128  # the attention table alone
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from bench.common import dtype_name, markdown_table, ratio, run_cli
 from bench.report import describe_machine
 from bench.throughput import make_workload, run_conveyor
 from engine import LLM
-from engine.config import ModelConfig
+from engine.dtypes import resolve_dtype
 from engine.model_registry import DEFAULT_MODEL
 from kernels import cpu_kernels, kv_quant, paged_attention
 
@@ -48,10 +51,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-seqs", type=int, default=64, help="decode attention alone: sequences")
     parser.add_argument("--attention-len", type=int, default=400, help="decode attention alone: positions each")
     parser.add_argument("--attention-rounds", type=int, default=20, help="decode attention alone: timed rounds")
+    parser.add_argument(
+        "--attention-shape", type=int, nargs=3, metavar=("HEADS", "KV_HEADS", "HEAD_DIM"),
+        help="decode attention alone in this head shape instead of the model's; with it, --attention-only skips the "
+        "end-to-end runs",
+    )
+    parser.add_argument("--attention-only", action="store_true")
 
 
 def run(args: argparse.Namespace) -> None:
     print(f"{describe_machine(args.device)}, load {os.getloadavg()[0]:.1f}", flush=True)
+    if args.attention_only:
+        if args.attention_shape is None:
+            raise SystemExit("--attention-only needs --attention-shape HEADS KV_HEADS HEAD_DIM")
+        print_attention_table(*args.attention_shape, resolve_dtype(args.dtype, torch.device("cpu")), args)
+        return
     on_gpu = args.device == "cuda"
     budget = "gpu_memory_utilization 0.9" if on_gpu else f"{args.kv_cache_memory * 2**-20:.0f} MiB"
     pool = {} if on_gpu else {"kv_cache_memory": args.kv_cache_memory}
@@ -59,7 +73,7 @@ def run(args: argparse.Namespace) -> None:
     runs = [("auto", None), ("fp8_e4m3", None)] if on_gpu else [("auto", None), ("int8", None), ("int8", "portable")]
     rows = []
     baseline: tuple[int, float, float] | None = None
-    model: tuple[ModelConfig, torch.dtype] | None = None
+    model: tuple[int, int, int, torch.dtype] | None = None  # heads, kv heads, head_dim; the cache's dtype in auto
     for kv_cache_dtype, int8_path in runs:
         llm = LLM(
             model=args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=kv_cache_dtype,
@@ -67,7 +81,8 @@ def run(args: argparse.Namespace) -> None:
         )
         engine = llm.engine
         cache = engine.runner.kv_caches[0][0]
-        model = model or (engine.model_config, cache.dtype)
+        shape = engine.model_config
+        model = model or (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim, cache.dtype)
         tokens = engine.block_manager.num_blocks * engine.config.block_size
         requests = make_workload(
             args.num_requests, tuple(args.prompt_len), tuple(args.output_len), engine.model_config.vocab_size, args.seed
@@ -109,12 +124,12 @@ def run(args: argparse.Namespace) -> None:
         rows,
     ))
     if not on_gpu and model is not None:
-        print_attention_table(*model, args)
+        heads, kv_heads, head_dim, dtype = model
+        print_attention_table(*(args.attention_shape or (heads, kv_heads, head_dim)), dtype, args)
 
 
-def print_attention_table(config: ModelConfig, dtype: torch.dtype, args: argparse.Namespace) -> None:
-    """Per-layer decode attention, one call per cache kind and path, in interleaved rounds."""
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+def print_attention_table(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, args: argparse.Namespace) -> None:
+    """Per-layer decode attention, one call per cache kind and path, in interleaved rounds; queries in `dtype`."""
     seqs, length, block_size = args.attention_seqs, args.attention_len, 16
     generator = torch.Generator().manual_seed(args.seed)
     per_seq = -(-length // block_size)

@@ -4,7 +4,6 @@ shape (the end-to-end rows build engines: the benchmark itself, not a test)."""
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,9 +14,8 @@ from kernels.cpu_kernels import int8_decode_paths, load_cpu_kernels
 
 @pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")
 def test_the_attention_table_has_a_row_per_cache_and_path(capsys):
-    shape = SimpleNamespace(num_attention_heads=6, num_key_value_heads=2, head_dim=64)
     args = argparse.Namespace(attention_seqs=3, attention_len=37, attention_rounds=2, seed=0)
-    print_attention_table(shape, torch.bfloat16, args)  # type: ignore[arg-type]
+    print_attention_table(6, 2, 64, torch.bfloat16, args)
     printed = capsys.readouterr().out
     names = ["float32", "bfloat16"] + [f"int8, {path}" for path in int8_decode_paths(64, torch.bfloat16)]
     assert all(f"| {name} " in printed for name in names), printed
