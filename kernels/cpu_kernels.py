@@ -178,7 +178,9 @@ def paged_decode_attention(
         if path not in paths:
             raise ValueError(f"no {path} int8 decode attention here for head_dim {query.shape[-1]}, {query.dtype}")
         if path != "portable":
-            load_int8_decode_kernels().decode_attention(
+            vector = load_int8_decode_kernels()
+            assert vector is not None  # int8_decode_paths offers a vector path only where it was built
+            vector.decode_attention(
                 query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale, window or 0, softcap or 0.0,
                 path,
             )
