@@ -81,6 +81,31 @@ def test_int8_decode_attention_matches_the_reference(dtype, num_heads, num_kv_he
 
 
 @pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")
+def test_int8_decode_attention_of_many_sequences_in_any_order():
+    """48 sequences of random lengths whose decode rows sit in `out` in another order, each path's threads handing
+    sequences out among themselves (and prefetching the next one's first rows)."""
+    generator = torch.Generator().manual_seed(48)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    seq_lens = torch.randint(1, 200, (48,), generator=generator).tolist()
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = len(seq_lens) * max_blocks
+    k_cache, v_cache = _int8_paged_cache(num_blocks, block_size, num_kv_heads, head_dim, generator)
+    block_tables = torch.randperm(num_blocks, generator=generator).view(len(seq_lens), max_blocks).int()
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).bfloat16()
+    rows = torch.randperm(len(seq_lens), generator=generator)  # sequence i's query is row rows[i]
+    expected = paged_attention_reference(
+        query[rows].float(), k_cache, v_cache, list(range(len(seq_lens) + 1)), seq_lens, block_tables, head_dim**-0.5
+    )
+    for path in int8_decode_paths(head_dim, torch.bfloat16):
+        out = torch.full_like(query, float("nan"))
+        paged_decode_attention(
+            query, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), rows, head_dim**-0.5,
+            out, int8_path=path,
+        )
+        torch.testing.assert_close(out[rows].float(), expected, atol=2e-2, rtol=2e-2, msg=path)
+
+
+@pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")
 def test_an_int8_path_the_call_cannot_take_is_refused():
     k_cache, v_cache = _int8_paged_cache(2, 4, 1, 72, torch.Generator().manual_seed(0))
     query, out = torch.randn(1, 2, 72), torch.empty(1, 2, 72)
