@@ -50,7 +50,8 @@ class AttentionBackend(Protocol):
 class TorchAttention:
     """The CPU path: torch ops, with the K/V writes, decode rows and (bf16 on AVX-512 BF16) prefill chunks in the
     C++ kernels where they could be built. An int8 cache (kernels/kv_quant.py) gets the new K/V quantized per
-    (token, kv head); its decode rows are dequantized on the fly by the C++ kernel, its prefill chunks by torch.
+    (token, kv head); its decode rows are dequantized on the fly by the C++ kernels (AVX-512 / AVX2 / portable), its
+    prefill chunks by the bf16 prefill kernel as it packs them (bf16 on AVX-512 BF16), else by torch.
     Plans the batch layout once per step and kind of layer (window, soft-capping) on the first layer
     that sees the step's metadata, and reuses the plan in every other layer of that kind."""
 
@@ -89,10 +90,10 @@ class TorchAttention:
                 use_decode_kernel=self.use_cpu_kernels,
                 shared_prefix_min_saved_tokens=shared_prefix,
                 window=window,
-                # The prefill kernel has no soft-capping, and reads bf16 caches only.
+                # The prefill kernel has no soft-capping, and reads bf16 caches and int8 ones (bf16 queries).
                 use_prefill_kernel=self.use_cpu_kernels
                 and softcap is None
-                and k_cache.dtype == query.dtype
+                and k_cache.dtype in (query.dtype, torch.int8)
                 and cpu_kernels.prefill_attention_available(query.dtype, query.shape[-1]),
             )
         if k_cache.dtype == torch.int8:

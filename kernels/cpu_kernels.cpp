@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 // Built with -march=native: the instruction sets are the build machine's, and the build is per CPU (see
 // cpu_kernels.py). Without AVX-512 BF16 the decode attention keeps its portable kernel.
@@ -1051,10 +1052,27 @@ struct PackedSequence {
   int64_t offset;  // where its spans start in the packed buffers, in uint32 pairs, per kv head
 };
 
-static void pack_keys_and_values(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table,
-                                 int64_t block_size, int64_t slot_stride, int64_t kv, int64_t dim, int64_t length,
-                                 const PackedSequence& seq, uint32_t* k_packed, uint32_t* v_packed) {
+// One head's cache row as bf16 bits: a bf16 row as it is; an int8 row (kernels/kv_quant.py) dequantized, value x its
+// float32 scale rounded to bf16 (nearest even), exactly what kv_quant.dequantize(rows, torch.bfloat16) gives.
+static inline void bf16_row(const uint16_t* row, int64_t dim, uint16_t* dst) { std::memcpy(dst, row, 2 * dim); }
+
+static inline void bf16_row(const int8_t* row, int64_t dim, uint16_t* dst) {
+  float scale;
+  std::memcpy(&scale, row + dim, sizeof(float));  // unaligned: rows are dim + 4 bytes apart
+  const __m512 scales = _mm512_set1_ps(scale);
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+    store_bf16(dst + d, round_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scales)));
+  }
+}
+
+// cache_t: uint16_t (bf16 bits) or int8_t, whose rows are dim + 4 wide (row_width).
+template <typename cache_t>
+static void pack_keys_and_values(const cache_t* k_cache, const cache_t* v_cache, const int32_t* table,
+                                 int64_t block_size, int64_t slot_stride, int64_t kv, int64_t dim, int64_t row_width,
+                                 int64_t length, const PackedSequence& seq, uint32_t* k_packed, uint32_t* v_packed) {
   const int64_t pairs = dim / 2;
+  alignas(64) uint16_t k_row[256], v_row[256];  // dim <= 256
   for (int64_t i = 0; i < seq.num_spans * kSpan; ++i) {
     const int64_t pos = seq.key_base + i;
     uint32_t* k_dst = k_packed + (i / kSpan) * pairs * kSpan + i % kSpan;
@@ -1067,9 +1085,10 @@ static void pack_keys_and_values(const uint16_t* k_cache, const uint16_t* v_cach
       continue;
     }
     const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-    const uint32_t* k_row = reinterpret_cast<const uint32_t*>(k_cache + slot * slot_stride + kv * dim);
-    const uint16_t* v_row = v_cache + slot * slot_stride + kv * dim;
-    for (int64_t p = 0; p < pairs; ++p) k_dst[p * kSpan] = k_row[p];
+    bf16_row(k_cache + slot * slot_stride + kv * row_width, dim, k_row);
+    bf16_row(v_cache + slot * slot_stride + kv * row_width, dim, v_row);
+    const uint32_t* k_pairs = reinterpret_cast<const uint32_t*>(k_row);
+    for (int64_t p = 0; p < pairs; ++p) k_dst[p * kSpan] = k_pairs[p];
     for (int64_t d = 0; d < dim; ++d) v_dst[2 * d] = v_row[d];
   }
 }
@@ -1168,15 +1187,17 @@ static void attend_prefill_rows(const uint16_t* query, int64_t query_row_stride,
   }
 }
 
-template <int kChunks>
+template <int kChunks, typename cache_t>
 static void prefill_attention_bf16(const uint16_t* query, int64_t query_row_stride, int64_t query_head_stride,
-                                   const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_tables,
+                                   const cache_t* k_cache, const cache_t* v_cache, const int32_t* block_tables,
                                    int64_t max_blocks, const int32_t* seq_lens, const int64_t* query_starts,
                                    const int64_t* query_ends, uint16_t* out, int64_t out_row_stride, int64_t num_seqs, int64_t num_heads,
                                    int64_t num_kv_heads, int64_t block_size, float scale, int64_t window) {
   constexpr int64_t kDim = 32 * kChunks;
   constexpr int kRows = kChunks >= 8 ? 1 : kChunks >= 4 ? 2 : 4;  // output registers: kRows * kDim / 16 <= 16
-  const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * kDim;
+  // An int8 cache's rows carry their scale after the values (kernels/kv_quant.py).
+  const int64_t row_width = std::is_same_v<cache_t, int8_t> ? kDim + 4 : kDim;
+  const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * row_width;
   std::vector<PackedSequence> seqs(num_seqs);
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first query row of the tile within it)
   int64_t packed_pairs = 0;  // per kv head
@@ -1194,7 +1215,7 @@ static void prefill_attention_bf16(const uint16_t* query, int64_t query_row_stri
       const int64_t i = task / num_kv_heads, kv = task % num_kv_heads;
       const int64_t at = kv * packed_pairs + seqs[i].offset;
       pack_keys_and_values(k_cache, v_cache, block_tables + i * max_blocks, block_size, slot_stride, kv, kDim,
-                           seq_lens[i], seqs[i], k_packed.data() + at, v_packed.data() + at);
+                           row_width, seq_lens[i], seqs[i], k_packed.data() + at, v_packed.data() + at);
     }
   });
   // Tiles attend contexts of very different lengths: handed out one at a time, longest first.
@@ -1238,30 +1259,40 @@ bool prefill_attention_available(int64_t head_dim) {
 void paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                              torch::Tensor query_ends, torch::Tensor out, double scale, int64_t window) {
-  TORCH_CHECK(prefill_attention_available(k_cache.size(3)), "no bf16 prefill kernel for this CPU or head_dim");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16 only");
+  // An int8 cache (kernels/kv_quant.py) is read as its rows dequantized to bf16 when they are packed.
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(prefill_attention_available(head_dim), "no bf16 prefill kernel for this CPU or head_dim");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+                  (k_cache.scalar_type() == at::kBFloat16 || int8) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "bf16 queries; bf16 or int8 caches");
+  TORCH_CHECK(k_cache.size(3) == (int8 ? head_dim + 4 : head_dim), "a cache row is head_dim (int8: + 4) wide");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && out.stride(1) == out.size(2), "head_dim must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32, "int32 tables");
   TORCH_CHECK(query_starts.scalar_type() == torch::kInt64 && query_ends.scalar_type() == torch::kInt64 &&
                   query_starts.numel() == seq_lens.numel() && query_ends.numel() == seq_lens.numel(), "int64 query rows");
 #ifdef CONVEYOR_AVX512_BF16
-  const auto run = [&](auto chunks) {
+  const auto run = [&](auto chunks, const auto* k, const auto* v) {
     prefill_attention_bf16<decltype(chunks)::value>(
-        reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()), query.stride(0), query.stride(1),
-        reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()), query.stride(0), query.stride(1), k, v,
         block_tables.data_ptr<int32_t>(), block_tables.size(1), seq_lens.data_ptr<int32_t>(),
         query_starts.data_ptr<int64_t>(), query_ends.data_ptr<int64_t>(),
         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), out.stride(0),
         seq_lens.size(0), query.size(1), k_cache.size(2), k_cache.size(1), static_cast<float>(scale), window);
   };
-  switch (k_cache.size(3) / 32) {
-    case 1: run(std::integral_constant<int, 1>{}); return;
-    case 2: run(std::integral_constant<int, 2>{}); return;
-    case 4: run(std::integral_constant<int, 4>{}); return;
-    default: run(std::integral_constant<int, 8>{}); return;
+  const auto for_cache = [&](auto chunks) {
+    if (int8)
+      run(chunks, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else
+      run(chunks, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+          reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
+  };
+  switch (head_dim / 32) {
+    case 1: for_cache(std::integral_constant<int, 1>{}); return;
+    case 2: for_cache(std::integral_constant<int, 2>{}); return;
+    case 4: for_cache(std::integral_constant<int, 4>{}); return;
+    default: for_cache(std::integral_constant<int, 8>{}); return;
   }
 #endif
 }

@@ -7,8 +7,9 @@ heads of a kv head at a time (in bf16 on a CPU with AVX-512 BF16: q.k and p.v bo
 from the cache's bf16, the probabilities rounded to bf16 as torch's bf16 attention rounds them, one
 softmax step per 64 positions, the next rows prefetched since blocks lie anywhere in the cache: 64
 sequences of 400 positions in SmolLM2-135M's shape, two threads, 0.79 ms a layer where widening the
-values to float32 for p.v took 2.0, and a plain read of the K/V 0.56; an int8 cache, kernels/kv_quant.py, goes to the
-portable kernel, which dequantizes each row as it widens it, 16 values at a time with AVX-512, 8 with AVX2);
+values to float32 for p.v took 2.0, and a plain read of the K/V 0.56; an int8 cache, kernels/kv_quant.py, goes to
+`kv_int8_decode.cpp`, a separate build with AVX-512 and AVX2 paths picked at run time (`load_int8_decode_kernels`),
+else to the portable kernel here, which dequantizes each row as it widens it);
 the RMSNorm fuses the residual add and the float32 statistics into one pass per row; in bf16 and fp16
 the rotary embedding (in place, bit for bit the torch expression), SwiGLU's silu(gate) * up and the
 K/V cache writes are one pass each instead of several torch ops. Their oracles are
@@ -21,7 +22,8 @@ Their bf16 LayerNorm reads each row once (torch's: 1.7x the time); its oracle is
 bitmask kernel sets the logits of disallowed tokens to -inf a 32-token word at a time (256 rows of a 49k vocabulary:
 1.4 ms against 38 ms for xgrammar's CPU kernel); its oracle is a masked_fill of the unpacked bits.
 The bf16 prefill attention (AVX-512 BF16) attends every prefill chunk of a step in one call straight from the
-paged cache: each sequence's K/V packed once per kv head into dpbf16ps' pair layout, then tiles of query rows
+paged cache (bf16, or int8 rows dequantized to bf16 as they are packed): each sequence's K/V packed once per kv head
+into dpbf16ps' pair layout, then tiles of query rows
 with an online softmax per 64-key span (33 prompts of 32-512 tokens, SmolLM2's heads: about half the machine's
 bf16 matmul peak, 7-16x torch's flash attention called per sequence); its oracle is `paged_attention_reference`
 in float32, which it meets as closely as torch's bf16 path. The greedy sampler's pass finds each row's first
@@ -42,12 +44,18 @@ import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
 import torch
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_INT8_DECODE_SOURCE = Path(__file__).with_name("kv_int8_decode.cpp")
+_INT8_DECODE_BODY = Path(__file__).with_name("kv_int8_decode_body.h")
+
+# The int8 cache's decode attention paths: `auto` the widest this CPU runs for the call's head_dim and dtype.
+Int8DecodePath = Literal["auto", "avx512", "avx2", "portable"]
 
 
 @cache
@@ -64,6 +72,35 @@ def load_cpu_kernels() -> ModuleType | None:
     except Exception as error:  # any build failure means: use the torch path
         log.warning("CPU kernels unavailable, using the torch path: %s", error)
         return None
+
+
+@cache
+def load_int8_decode_kernels() -> ModuleType | None:
+    """The int8 cache's AVX-512 / AVX2 decode attention (`kv_int8_decode.cpp`, one build for any x86-64, the path
+    picked at run time), or None where it cannot be built: the portable kernel then reads int8 caches."""
+    try:
+        return load_extension(
+            f"conveyor_kv_int8_decode_{build_digest(_INT8_DECODE_SOURCE, _INT8_DECODE_BODY)}",
+            "the int8 KV cache's decode attention",
+            [_INT8_DECODE_SOURCE],
+            extra_cflags=["-O3", "-fopenmp"],  # no -march=native: each path is compiled for its instruction set
+            extra_ldflags=["-fopenmp"],  # at::parallel_for runs its threads through OpenMP
+        )
+    except Exception as error:  # any build failure means: the portable kernel
+        log.warning("int8 decode attention kernels unavailable, using the portable kernel: %s", error)
+        return None
+
+
+@cache  # asked by every layer of every step
+def int8_decode_paths(head_dim: int, dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths `paged_decode_attention` can take here for an int8 cache, narrowest first: `portable` (the C++
+    kernels' own, any head_dim and dtype), then `avx2` and `avx512` for head_dim 32/64/128/256 and float32 or bf16
+    queries on a CPU that runs them."""
+    kernels = load_int8_decode_kernels()
+    if kernels is None or not kernels.supports(head_dim) or dtype not in (torch.float32, torch.bfloat16):
+        return ("portable",)
+    order = ("portable", "avx2", "avx512")
+    return order[: order.index(kernels.best_isa()) + 1] if kernels.best_isa() in order else ("portable",)
 
 
 def load_extension(
@@ -133,7 +170,23 @@ def paged_decode_attention(
     out: torch.Tensor,  # [T, num_heads, head_dim] contiguous: rows in token_index are written
     window: int | None = None,  # sliding window: the row attends its last `window` positions only
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
+    int8_path: Int8DecodePath = "auto",  # an int8 cache's kernel (tests and the benchmark force each)
 ) -> None:
+    if k_cache.dtype == torch.int8:
+        paths = int8_decode_paths(query.shape[-1], query.dtype)
+        path = paths[-1] if int8_path == "auto" else int8_path
+        if path not in paths:
+            raise ValueError(f"no {path} int8 decode attention here for head_dim {query.shape[-1]}, {query.dtype}")
+        if path != "portable":
+            vector = load_int8_decode_kernels()
+            assert vector is not None  # int8_decode_paths offers a vector path only where it was built
+            vector.decode_attention(
+                query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale, window or 0, softcap or 0.0,
+                path,
+            )
+            return
+    elif int8_path != "auto":
+        raise ValueError(f"int8_path {int8_path!r} is for int8 caches; this one is {k_cache.dtype}")
     _kernels().paged_decode_attention(
         query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale, window or 0, softcap or 0.0
     )
@@ -147,7 +200,8 @@ def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
 
 def paged_prefill_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim] bf16; head_dim contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], the chunks' K/V already written
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16, or int8 rows of head_dim + 4
+    # (kernels/kv_quant.py, dequantized to bf16 as read); the chunks' K/V already written
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32: context length of each sequence after its chunk

@@ -1,12 +1,13 @@
 """The bf16 prefill attention kernel (AVX-512 BF16) against `paged_attention_reference` in float32, on chunks
 with and without a cached prefix, lengths around its 16-key groups and 64-key spans, GQA ratios 1/3/4/8,
-head_dim 32 to 256, windows, and decode rows between the chunks that it must leave alone."""
+head_dim 32 to 256, windows, and decode rows between the chunks that it must leave alone; and over an int8 cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import kv_quant
 from kernels.cpu_kernels import paged_prefill_attention, prefill_attention_available
 from kernels.paged_attention import paged_attention_reference, plan_paged_attention, run_paged_attention
 
@@ -83,3 +84,37 @@ def test_planned_kernel_path_matches_the_torch_path():
     torch.testing.assert_close(
         run_paged_attention(query, k_cache, v_cache, plan, 0.125).float(), expected, atol=TOLERANCE, rtol=TOLERANCE
     )
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_prefill_kernel_reads_an_int8_cache_as_the_reference(num_heads, num_kv_heads, head_dim, block_size, window):
+    """An int8 cache (kernels/kv_quant.py) is packed as its rows dequantized to bf16, the values torch's bf16 path
+    (the engine's before) attends: against the float32 reference over the same int8 cache, its error is that path's
+    (rows of magnitudes up to 4 make peaked softmaxes, where the bf16 keys' rounding shows: up to 0.1 in both)."""
+    query, k_cache, v_cache, block_tables, starts = _batch(
+        num_heads, num_kv_heads, head_dim, block_size, ROWS, seed=head_dim + block_size + 1
+    )
+    # Rows of very different magnitudes, so a wrong row's scale shows.
+    magnitude = torch.rand(*k_cache.shape[:3], 1, generator=torch.Generator().manual_seed(3)) * 4 + 0.05
+    k_cache, v_cache = (kv_quant.quantize(cache.float() * magnitude, torch.int8) for cache in (k_cache, v_cache))
+    seq_lens = [seq_len for _, seq_len in ROWS]
+    chunks = [i for i, (new_tokens, _) in enumerate(ROWS) if new_tokens > 1]
+    if window is not None:
+        for i in chunks:
+            first_attended = max(0, seq_lens[i] - (starts[i + 1] - starts[i]) - window + 1)
+            block_tables[i, : first_attended // block_size] = -1
+    scale = head_dim**-0.5
+    expected = paged_attention_reference(
+        query.float(), k_cache, v_cache, starts, seq_lens, block_tables.clamp(min=0), scale, window
+    )
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    paged_prefill_attention(
+        query, k_cache, v_cache, block_tables[chunks].contiguous(), torch.tensor([seq_lens[i] for i in chunks]).int(),
+        torch.tensor([starts[i] for i in chunks]), torch.tensor([starts[i + 1] for i in chunks]), scale, out, window,
+    )
+    chunk_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in chunks])
+    torchs = paged_attention_reference(query, k_cache, v_cache, starts, seq_lens, block_tables.clamp(min=0), scale, window)
+    ours, torchs = ((got[chunk_rows].float() - expected[chunk_rows]).abs() for got in (out, torchs))
+    assert ours.max() <= 1.05 * torchs.max() and ours.mean() <= 1.05 * torchs.mean()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import kv_quant
-from kernels.cpu_kernels import load_cpu_kernels, paged_decode_attention
+from kernels.cpu_kernels import int8_decode_paths, load_cpu_kernels, load_int8_decode_kernels, paged_decode_attention
 from kernels.paged_attention import paged_attention_reference
 from kernels.triton_utils import interpreter_enabled
 
@@ -38,33 +38,82 @@ def _int8_paged_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
 
 @pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 72), (4, 4, 64), (8, 2, 128)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 72, 5), (4, 4, 64, 5), (8, 2, 128, 5), (9, 3, 64, 16), (12, 3, 128, 16)],
+)
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (11, 30.0)])
-def test_int8_decode_attention_matches_the_reference(dtype, num_heads, num_kv_heads, head_dim, window, softcap):
-    generator = torch.Generator().manual_seed(num_heads + head_dim)
-    block_size = 5
-    seq_lens = [1, 4, 5, 6, 23, 61]
+def test_int8_decode_attention_matches_the_reference(dtype, num_heads, num_kv_heads, head_dim, block_size, window, softcap):
+    """Every path this CPU runs (AVX-512, AVX2, portable; head_dim 72 has only the portable one), forced by name, on
+    contexts shorter and longer than the vector kernels' spans (16-64 positions) and not multiples of them or of the
+    block size."""
+    generator = torch.Generator().manual_seed(num_heads + head_dim + block_size)
+    seq_lens = [1, 4, 5, 6, 23, 61, 64, 97, 150]
     max_blocks = -(-max(seq_lens) // block_size)
     num_blocks = len(seq_lens) * max_blocks + 2
     k_cache, v_cache = _int8_paged_cache(num_blocks, block_size, num_kv_heads, head_dim, generator)
     block_tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
     block_tables = block_tables.view(len(seq_lens), max_blocks).int()
+    if window is not None:  # blocks wholly before the window: freed, as the block manager leaves them
+        for row, length in enumerate(seq_lens):
+            block_tables[row, : max(0, length - window) // block_size] = -1
     fused = torch.randn(len(seq_lens), num_heads + 2 * num_kv_heads, head_dim, generator=generator).to(dtype)
     query = fused[:, :num_heads]  # a strided slice of a fused projection, as the model hands it over
     scale = head_dim**-0.5
 
-    # The reference in float32 from the same int8 cache: the kernel dequantizes and accumulates in float32 too.
+    # The reference in float32 from the same int8 cache: the kernels dequantize and accumulate in float32 too.
     expected = paged_attention_reference(
         query.float(), k_cache, v_cache, list(range(len(seq_lens) + 1)), seq_lens, block_tables, scale,
         window=window, softcap=softcap,
     )
-    out = torch.full((len(seq_lens), num_heads, head_dim), float("nan"), dtype=dtype)
-    paged_decode_attention(
-        query, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32),
-        torch.arange(len(seq_lens)), scale, out, window=window, softcap=softcap,
-    )
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    paths = int8_decode_paths(head_dim, dtype)
+    assert paths[0] == "portable" and (head_dim == 72 or paths[-1] == load_int8_decode_kernels().best_isa())
+    for path in paths:
+        # Rows of `out` that are no decode row's stay untouched.
+        out = torch.full((len(seq_lens) + 1, num_heads, head_dim), float("nan"), dtype=dtype)
+        paged_decode_attention(
+            query, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32),
+            torch.arange(len(seq_lens)), scale, out, window=window, softcap=softcap, int8_path=path,
+        )
+        torch.testing.assert_close(out[:-1].float(), expected, atol=tolerance, rtol=tolerance, msg=path)
+        assert out[-1].isnan().all(), path
+
+
+@pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")
+def test_int8_decode_attention_of_many_sequences_in_any_order():
+    """48 sequences of random lengths whose decode rows sit in `out` in another order, each path's threads handing
+    sequences out among themselves (and prefetching the next one's first rows)."""
+    generator = torch.Generator().manual_seed(48)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    seq_lens = torch.randint(1, 200, (48,), generator=generator).tolist()
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = len(seq_lens) * max_blocks
+    k_cache, v_cache = _int8_paged_cache(num_blocks, block_size, num_kv_heads, head_dim, generator)
+    block_tables = torch.randperm(num_blocks, generator=generator).view(len(seq_lens), max_blocks).int()
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).bfloat16()
+    rows = torch.randperm(len(seq_lens), generator=generator)  # sequence i's query is row rows[i]
+    expected = paged_attention_reference(
+        query[rows].float(), k_cache, v_cache, list(range(len(seq_lens) + 1)), seq_lens, block_tables, head_dim**-0.5
+    )
+    for path in int8_decode_paths(head_dim, torch.bfloat16):
+        out = torch.full_like(query, float("nan"))
+        paged_decode_attention(
+            query, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), rows, head_dim**-0.5,
+            out, int8_path=path,
+        )
+        torch.testing.assert_close(out[rows].float(), expected, atol=2e-2, rtol=2e-2, msg=path)
+
+
+@pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")
+def test_an_int8_path_the_call_cannot_take_is_refused():
+    k_cache, v_cache = _int8_paged_cache(2, 4, 1, 72, torch.Generator().manual_seed(0))
+    query, out = torch.randn(1, 2, 72), torch.empty(1, 2, 72)
+    args = (torch.zeros(1, 2, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), torch.arange(1), 0.1, out)
+    with pytest.raises(ValueError, match="no avx2 int8 decode attention here for head_dim 72"):
+        paged_decode_attention(query, k_cache, v_cache, *args, int8_path="avx2")
+    with pytest.raises(ValueError, match="for int8 caches"):
+        paged_decode_attention(query, query[None], query[None], *args, int8_path="portable")
 
 
 def _fp8_paged(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, device: str, generator):
