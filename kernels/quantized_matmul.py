@@ -51,7 +51,8 @@ def load_quantized_kernels() -> ModuleType:
         f"conveyor_quantized_matmul_{build_digest(_SOURCE, _BODY)}",
         "the quantized matmul kernels",
         [_SOURCE],
-        extra_cflags=["-O3"],  # no -march=native: each path is compiled for its own instruction set
+        extra_cflags=["-O3", "-fopenmp"],  # no -march=native: each path is compiled for its own instruction set
+        extra_ldflags=["-fopenmp"],  # at::parallel_for runs its threads through OpenMP: without it, one thread
     )
 
 
