@@ -31,6 +31,9 @@ class PlacedImage:
     length: int  # placeholder tokens = embedding rows the encoder gives it
     content_hash: bytes
     pixel_values: "torch.Tensor"  # the model's preprocessed input, e.g. [3, H, W] float32
+    # Its placeholders attend to each other both ways (VisionLanguageKind.bidirectional_images, Gemma 3): the
+    # scheduler computes them within one prefill chunk, and the chunk's attention adds their span to its mask.
+    bidirectional: bool = False
 
     @property
     def stop(self) -> int:

@@ -6,11 +6,13 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from engine.multimodal.gemma3 import Gemma3Kind
 from engine.multimodal.kind import VisionLanguageKind
 from engine.multimodal.llava import LlavaKind
 
 FAMILIES: dict[str, Callable[[dict[str, Any], Path], VisionLanguageKind]] = {
     "LlavaForConditionalGeneration": LlavaKind,
+    "Gemma3ForConditionalGeneration": Gemma3Kind,
 }
 
 
