@@ -161,6 +161,9 @@ def make_gemma3(folder: Path, shape: Gemma3Shape = GEMMA3_TINY) -> Path:
             head_dim=shape.text_hidden // shape.heads, max_position_embeddings=512, sliding_window=shape.sliding_window,
             layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=shape.text_hidden // shape.heads,
             bos_token_id=2, eos_token_id=1, pad_token_id=0,
+            # wider than the default: attention that singles out tokens, so that the image mask (an image's tokens
+            # see each other) moves the greedy tokens
+            initializer_range=0.1,
         ),
         mm_tokens_per_image=shape.image_tokens, boi_token_index=words.index("<start_of_image>"),
         eoi_token_index=words.index("<end_of_image>"), image_token_index=words.index("<image_soft_token>"),

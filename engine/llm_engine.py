@@ -69,6 +69,11 @@ class LLMEngine:
         self.vision_kind: VisionLanguageKind | None = vision_kind_for(source.hf_config, source.path)
         if self.vision_kind is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("vision-language models do not run with tensor parallelism yet (tensor_parallel_size > 1)")
+        if self.vision_kind is not None and self.vision_kind.bidirectional_images and self.kernel_backend == "triton":
+            raise ValueError(
+                f"{self.vision_kind.name}: its images attend to themselves both ways, which the Triton attention "
+                "kernels do not do yet; run it with kernel_backend='torch'"
+            )
         text_config = source.hf_config if self.vision_kind is None else self.vision_kind.text_config()
         self.model_config = ModelConfig.from_hf(text_config)
         has_tokenizer = source.path is not None and (source.path / "tokenizer.json").exists()
@@ -243,7 +248,15 @@ class LLMEngine:
             if images:
                 raise ValueError(f"model {self.model_name!r} does not take images (model_not_multimodal)")
             return prompt_token_ids, ()
-        return expand_image_prompt(self.vision_kind, prompt_token_ids, images)
+        expanded, placed = expand_image_prompt(self.vision_kind, prompt_token_ids, images)
+        step = self.config.max_num_batched_tokens
+        for image in placed:
+            if image.bidirectional and image.length > step:  # computed in one step (scheduler._whole_images)
+                raise ValueError(
+                    f"an image takes {image.length} placeholder tokens, computed in one step, but "
+                    f"max_num_batched_tokens is {step}; raise it to at least {image.length}"
+                )
+        return expanded, placed
 
     @property
     def accepts_images(self) -> bool:

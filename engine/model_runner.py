@@ -225,8 +225,10 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        for item in output.scheduled:
+        spans: list[tuple[int, int, int]] = []
+        for index, item in enumerate(output.scheduled):
             start, table = item.start_position, item.block_table
+            spans.extend((index, image.offset, image.stop) for image in item.images if image.bidirectional)
             stop = start + item.num_new_tokens
             token_ids.extend(item.token_ids)
             positions.extend(self.model.long_rope_rows(range(start, stop)) if item.long_rope else range(start, stop))
@@ -247,6 +249,7 @@ class ModelRunner:
             query_start_loc_tensor=to_device(query_start_loc, torch.int32, device),
             seq_lens_tensor=to_device(seq_lens, torch.int32, device),
             max_query_len=max(item.num_new_tokens for item in output.scheduled),
+            bidirectional_spans=tuple(spans),
         )
         return (
             to_device(token_ids, torch.int64, device),
