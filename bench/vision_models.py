@@ -1,8 +1,8 @@
-"""A small random LLaVA-1.5 (and a tiny Gemma 3: `make_gemma3`) saved by transformers itself (a CLIP tower, a Llama, a processor folder with a word-level
+"""A small random LLaVA-1.5 saved by transformers itself (a CLIP tower, a Llama, a processor folder with a word-level
 tokenizer holding `<image>` and the llava-hf chat template), and images made with PIL: the engine's vision tests and
 the request side's (`conveyor run`, the service) build the TINY shape once per session (`llava_folder` in
 tests/conftest.py); `bench/vision.py` builds TINY or SMALL at run time. Weights are seeded, so every build of a shape
-is the same model."""
+is the same model. `make_gemma3`: a tiny random Gemma 3 with its processor, for tests/engine/test_vision_gemma3.py."""
 
 from __future__ import annotations
 
