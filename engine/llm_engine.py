@@ -69,11 +69,6 @@ class LLMEngine:
         self.vision_kind: VisionLanguageKind | None = vision_kind_for(source.hf_config, source.path)
         if self.vision_kind is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("vision-language models do not run with tensor parallelism yet (tensor_parallel_size > 1)")
-        if self.vision_kind is not None and self.vision_kind.bidirectional_images and self.kernel_backend == "triton":
-            raise ValueError(
-                f"{self.vision_kind.name}: its images attend to themselves both ways, which the Triton attention "
-                "kernels do not do yet; run it with kernel_backend='torch'"
-            )
         text_config = source.hf_config if self.vision_kind is None else self.vision_kind.text_config()
         self.model_config = ModelConfig.from_hf(text_config)
         has_tokenizer = source.path is not None and (source.path / "tokenizer.json").exists()

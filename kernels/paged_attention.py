@@ -415,7 +415,11 @@ def paged_attention_reference(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    bidirectional_spans: Sequence[tuple[int, int, int]] = (),
 ) -> torch.Tensor:
     """Mixed prefill/decode attention in one call (plans and runs)."""
-    plan = plan_paged_attention(query_start_loc, seq_lens, block_tables, k_cache.shape[1], window=window)
+    plan = plan_paged_attention(
+        query_start_loc, seq_lens, block_tables, k_cache.shape[1], window=window,
+        bidirectional_spans=bidirectional_spans,
+    )
     return run_paged_attention(query, k_cache, v_cache, plan, scale, softcap=softcap)

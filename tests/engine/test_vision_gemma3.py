@@ -20,6 +20,7 @@ from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.multimodal import ImageInput
 from engine.outputs import RequestOutput
+from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.engine.test_vision_models import relayout
 
 pytestmark = pytest.mark.slow
@@ -251,3 +252,16 @@ def test_pan_and_scan_is_refused(gemma3: Path, tmp_path: Path) -> None:
     (folder / "processor_config.json").write_text(json.dumps(settings))
     with pytest.raises(ValueError, match="pan-and-scan"):
         LLMEngine(str(folder), dtype="float32", num_kv_blocks=16)
+
+
+@pytest.mark.skipif(
+    not TRITON_AVAILABLE or not interpreter_enabled(), reason="Triton on CPU tensors needs TRITON_INTERPRET=1"
+)
+def test_triton_backend_attends_images_both_ways(gemma3: Path, expected: list[list[int]]) -> None:
+    """The Triton prefill kernel takes each image's span as its tokens' key limits (under the interpreter here)."""
+    engine = LLMEngine(
+        str(gemma3), dtype="float32", device="cpu", kernel_backend="triton", num_kv_blocks=64, block_size=4,
+        max_num_batched_tokens=24,
+    )
+    # the fourth conversation's tokens differ under causal attention (test_the_bidirectional_mask_moves_the_tokens)
+    assert tokens(chat(engine, CONVERSATIONS[1::2])) == expected[1::2]

@@ -54,3 +54,41 @@ def test_spans_attend_both_ways(window):
     causal = run_paged_attention(q, paged.k_cache, paged.v_cache, causal_plan, 0.5)
     assert not torch.allclose(causal[: starts[3]], out[: starts[3]])  # the spans' rows moved
     torch.testing.assert_close(causal[starts[3] :], out[starts[3] :])  # the others did not
+
+
+def key_limits(chunks: list[tuple[int, int]], spans: list[tuple[int, int, int]]) -> list[int]:
+    """Each query token's first unseen key position: p + 1, or its span's stop (as the model runner builds them)."""
+    limits = []
+    for i, (prefix, q_len) in enumerate(chunks):
+        for position in range(prefix, prefix + q_len):
+            stops = [stop for seq, start, stop in spans if seq == i and start <= position < stop]
+            limits.append(stops[0] if stops else position + 1)
+    return limits
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_prefill_key_limits_equal_the_spans(device: str, dtype: torch.dtype, window) -> None:
+    from kernels.prefill_attention import prefill_attention, prefill_attention_reference
+    from tests.kernels.kernel_testing import poisoned, tolerance
+
+    generator = torch.Generator().manual_seed(1)
+    seq_lens = [prefix + q_len for prefix, q_len in CHUNKS]
+    paged = make_paged_kv(seq_lens, KV_HEADS, HEAD_DIM, dtype, device, generator, BLOCK_SIZE)
+    starts = [0]
+    for _, q_len in CHUNKS:
+        starts.append(starts[-1] + q_len)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+    q = torch.randn(starts[-1], HEADS, HEAD_DIM, generator=generator).to(device=device, dtype=dtype)
+    limits = torch.tensor(key_limits(CHUNKS, SPANS), dtype=torch.int32, device=device)
+    out = poisoned(tuple(q.shape), dtype, device)
+    max_query_len = max(q_len for _, q_len in CHUNKS)
+    prefill_attention(
+        q, paged.k_cache, paged.v_cache, query_start_loc, paged.seq_lens, paged.block_tables, 0.5, max_query_len, out,
+        window=window, key_limits=limits,
+    )
+    expected = prefill_attention_reference(
+        q, paged.k_cache, paged.v_cache, query_start_loc, paged.seq_lens, paged.block_tables, 0.5, window=window,
+        bidirectional_spans=tuple(SPANS),
+    )
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
