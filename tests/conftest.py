@@ -100,6 +100,15 @@ def llava_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_llava(tmp_path_factory.mktemp("llava"))
 
 
+@pytest.fixture(scope="session")
+def gemma3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Gemma 3 vision-language folder saved by transformers (bench/vision_models.py), built once per
+    session."""
+    from bench.vision_models import make_gemma3
+
+    return make_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
 def hf_smollm2(dtype: torch.dtype = torch.float32):
     """transformers' SmolLM2, read from the bundled GGUF file itself (dequantized by gguf-py to `dtype`): the
     oracle of the engine's runs of it (the converted folder keeps quantized blocks only this engine reads)."""

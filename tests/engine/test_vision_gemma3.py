@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bench.vision_models import GEMMA3_WORDS, image, make_gemma3
+from bench.vision_models import GEMMA3_WORDS, image
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.multimodal import ImageInput
@@ -43,8 +43,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_gemma3(tmp_path_factory.mktemp("gemma3"))
+def gemma3(gemma3_folder: Path) -> Path:
+    return gemma3_folder
 
 
 def hf_generate(folder: Path, conversations: list[list[dict]], bidirectional: bool = True) -> list[tuple[list[int], list[float]]]:
