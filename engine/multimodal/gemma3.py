@@ -122,7 +122,9 @@ class Gemma3Kind:
         text = dict(self._hf.get("text_config") or {})
         if text.get("model_type", "gemma3_text") != "gemma3_text":
             raise ValueError(f"unsupported Gemma 3 text model {text.get('model_type')!r}; supported: gemma3_text")
-        return {**_GEMMA3_TEXT_DEFAULTS, **text, "architectures": ["Gemma3ForCausalLM"]}
+        # The Hub's instruction-tuned configs name the stop tokens at the top ([1, 106]: <eos>, <end_of_turn>)
+        stops = {"eos_token_id": self._hf["eos_token_id"]} if "eos_token_id" in self._hf else {}
+        return {**_GEMMA3_TEXT_DEFAULTS, **text, **stops, "architectures": ["Gemma3ForCausalLM"]}
 
     def num_placeholders(self, image: ImageInput) -> int:
         return self.tokens_per_image
