@@ -113,16 +113,19 @@ class Gemma3Kind:
         if processor.get("image_seq_length", self.tokens_per_image) != self.tokens_per_image:
             raise ValueError(f"{folder}: the processor writes {processor['image_seq_length']} image tokens per image "
                              f"but the projector gives mm_tokens_per_image = {self.tokens_per_image}")
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"{folder} has no tokenizer.json: Gemma 3's image prompt is tokenized as its processor does")
         self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         newline_runs = {self._tokenizer.token_to_id("\n" * count): count for count in range(1, _MAX_NEWLINE_RUN)}
         self._newlines: dict[int, int] = {token: count for token, count in newline_runs.items() if token is not None}
+        # (empty for a tokenizer that drops newlines, as it then does in the processor's text)
         self._two_newlines = self._tokenizer.encode("\n\n", add_special_tokens=False).ids
 
     def text_config(self) -> dict[str, Any]:
         text = dict(self._hf.get("text_config") or {})
         if text.get("model_type", "gemma3_text") != "gemma3_text":
             raise ValueError(f"unsupported Gemma 3 text model {text.get('model_type')!r}; supported: gemma3_text")
-        # The Hub's instruction-tuned configs name the stop tokens at the top ([1, 106]: <eos>, <end_of_turn>)
+        # Stop tokens named at the top level win (Gemma 3's instruction-tuned: [1, 106], <eos> and <end_of_turn>)
         stops = {"eos_token_id": self._hf["eos_token_id"]} if "eos_token_id" in self._hf else {}
         return {**_GEMMA3_TEXT_DEFAULTS, **text, **stops, "architectures": ["Gemma3ForCausalLM"]}
 
@@ -153,7 +156,7 @@ class Gemma3Kind:
                 if token in self._newlines:
                     run.append(token)
                     run_is_new |= new
-                else:  # a tokenizer without newline tokens drops them, as it would in the processor's text
+                else:  # any other token ends the run
                     flush()
                     expanded.append(token)
 
