@@ -6,7 +6,7 @@ A line's checks (`jobs.openai_format.validation`) count its text alone: the plac
 known to the model's preprocessing, once the image is decoded. Here, on the chunk's thread (never the engine's), the
 prompt is expanded and counted as the engine will hold it: in the context length, the admission limits and the
 line's `usage.prompt_tokens`, which counts every placeholder token (576 per image for LLaVA-1.5 at 336 px; 256 and
-the 4 tokens around them for Gemma 3).
+the few tokens its processor writes around them for Gemma 3).
 """
 
 from __future__ import annotations
