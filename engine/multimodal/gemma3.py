@@ -44,6 +44,8 @@ _GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediat
                          "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
                          "final_logit_softcapping": None, "attn_logit_softcapping": None, "bos_token_id": 2,
                          "eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": True}
+# Gemma3ImageProcessor's defaults where they differ from CLIPImageProcessor's: bilinear, mean and std 0.5
+_IMAGE_PROCESSOR_DEFAULTS = {"resample": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 _MAX_NEWLINE_RUN = 32  # Gemma's vocabulary has one token per run of up to 31 newlines
 
 
@@ -100,7 +102,7 @@ class Gemma3Kind:
                 f"mm_tokens_per_image {self.tokens_per_image} must be a square whose side divides the "
                 f"{patches_per_side} patches per side"
             )
-        settings = read_image_processor_settings(folder)
+        settings = {**_IMAGE_PROCESSOR_DEFAULTS, **read_image_processor_settings(folder)}
         if settings.get("do_pan_and_scan"):
             raise ValueError(f"{folder}: pan-and-scan (do_pan_and_scan) is not supported; turn it off in the folder's "
                              "image processor settings")
