@@ -192,6 +192,20 @@ def test_chunked_prefill_never_splits_an_image(gemma3: Path, expected: list[list
     assert any(start > image.offset for start, _, images in chunks for image in images), "no chunk started in one"
 
 
+def test_n_samples_fork_after_the_image(gemma3: Path, expected: list[list[int]]) -> None:
+    """n = 2 through the engine loop (images placed on the submitting thread): both samples are transformers'."""
+    from engine.engine_loop import EngineLoop
+    from engine.llm import conversation_images
+
+    engine = LLMEngine(str(gemma3), dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=20)
+    conversation = CONVERSATIONS[1]
+    ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conversation), add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, n=2)
+    with EngineLoop(engine) as loop:
+        output = loop.submit(ids, params, images=tuple(conversation_images(conversation))).result(60)
+    assert [c.token_ids for c in output.outputs] == [expected[1], expected[1]]
+
+
 def test_an_image_longer_than_a_step_is_refused(gemma3: Path) -> None:
     engine = LLMEngine(str(gemma3), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=12)
     ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(user("describe", RED)), add_special_tokens=False)
