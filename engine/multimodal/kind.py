@@ -1,9 +1,12 @@
 """The protocol a vision-language model family implements (engine/multimodal/registry.py finds a folder's).
 
 A family says how its chat template's image token becomes the per-image placeholder tokens, how an image is
-preprocessed (as its Hugging Face processor does), which config is its text decoder's, which checkpoint tensors are
-its vision encoder's, and builds that encoder (pixels in, one text-embedding row per placeholder out). The text
-decoder is an ordinary engine/models class; the engine splices the encoder's rows into its token embeddings."""
+preprocessed (as its Hugging Face processor does), which rotary positions its placeholders take (M-RoPE) and
+whether they attend to each other both ways, which config is its text decoder's, which checkpoint tensors are its
+vision encoder's, and builds that encoder (pixels in, one text-embedding row per placeholder out). The text decoder
+is an ordinary engine/models class; the engine splices the encoder's rows into its token embeddings. Below the
+protocol, what several families share: the marks' check and repetition, the `*ForConditionalGeneration` checkpoint
+layouts, the encoder's weight loading."""
 
 from __future__ import annotations
 
