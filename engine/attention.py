@@ -30,6 +30,12 @@ class AttentionMetadata:
     query_start_loc_tensor: torch.Tensor  # [B + 1] int32 on the device
     seq_lens_tensor: torch.Tensor  # [B] int32 on the device; 0 marks a padding row (CUDA graphs)
     max_query_len: int  # new tokens of the longest chunk; 1 = a decode-only step
+    # (sequence index, start, stop): prompt positions [start, stop) of sequence i whose tokens attend to each other
+    # both ways (an image's placeholders, Gemma 3), each ending within this step's chunk of that sequence
+    bidirectional_spans: tuple[tuple[int, int, int], ...] = ()
+    # [T] int32 on the device, with spans only: each new token's first unseen key position (its position + 1, or its
+    # span's stop), as the Triton prefill kernel takes them; None without spans
+    span_key_limits: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):
@@ -90,11 +96,14 @@ class TorchAttention:
                 use_decode_kernel=self.use_cpu_kernels,
                 shared_prefix_min_saved_tokens=shared_prefix,
                 window=window,
-                # The prefill kernel has no soft-capping, and reads bf16 caches and int8 ones (bf16 queries).
+                # The prefill kernel has no soft-capping nor bidirectional spans, and reads bf16 caches and int8 ones
+                # (bf16 queries).
                 use_prefill_kernel=self.use_cpu_kernels
                 and softcap is None
+                and not metadata.bidirectional_spans
                 and k_cache.dtype in (query.dtype, torch.int8)
                 and cpu_kernels.prefill_attention_available(query.dtype, query.shape[-1]),
+                bidirectional_spans=metadata.bidirectional_spans,
             )
         if k_cache.dtype == torch.int8:
             # Every read is of the quantized values, a prefill's own new K/V included: what a later chunk, a
@@ -116,7 +125,9 @@ class TritonAttention:
     """The CUDA path: new K/V go to their slots, then one launch attends for the whole batch. A
     decode-only step uses the split-KV decode kernel; a step with prefill chunks uses the varlen
     prefill kernel for every row, decode rows included. Launch shapes depend only on host-known
-    sizes, never on device values, so a decode step can be captured in a CUDA graph."""
+    sizes, never on device values, so a decode step can be captured in a CUDA graph. Bidirectional
+    spans reach the prefill kernel as each token's key limit; a decode row never needs one (a span's
+    last token sees the span causally)."""
 
     def __call__(
         self,
@@ -149,4 +160,5 @@ class TritonAttention:
             out=out,
             window=window,
             softcap=softcap,
+            key_limits=metadata.span_key_limits,
         )

@@ -243,7 +243,15 @@ class LLMEngine:
             if images:
                 raise ValueError(f"model {self.model_name!r} does not take images (model_not_multimodal)")
             return prompt_token_ids, ()
-        return expand_image_prompt(self.vision_kind, prompt_token_ids, images)
+        expanded, placed = expand_image_prompt(self.vision_kind, prompt_token_ids, images)
+        step = self.config.max_num_batched_tokens
+        for image in placed:
+            if image.bidirectional and image.length > step:  # computed in one step (scheduler._whole_images)
+                raise ValueError(
+                    f"an image takes {image.length} placeholder tokens, computed in one step, but "
+                    f"max_num_batched_tokens is {step}; raise it to at least {image.length}"
+                )
+        return expanded, placed
 
     @property
     def accepts_images(self) -> bool:

@@ -21,7 +21,7 @@ from engine.multimodal.encoder_step import EncoderStep
 from engine.multimodal.positions import chunk_positions
 from engine.prompt_logprobs import PromptLogprobs, score_prompts
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.transfer import to_device
 from kernels.block_copy import copy_blocks, copy_blocks_reference, swap_blocks, swap_blocks_reference
 from kernels.decode_attention import table_widths_per_variant
@@ -56,6 +56,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(cpu_kernels=model.kernels == "cpu")
         use_triton = kernel_backend == "triton"
+        self._key_limits_on_device = use_triton  # the Triton prefill kernel reads bidirectional spans as key limits
         self._copy_blocks = copy_blocks if use_triton else copy_blocks_reference
         self._swap_blocks = swap_blocks if use_triton else swap_blocks_reference
         self.decode_graphs: DecodeGraphs | None = None  # set once captured, after the warm-up
@@ -237,15 +238,17 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         grid_positions: list[tuple[int, torch.Tensor]] = []  # (step token index, [3, n]): M-RoPE placeholders
-        for item in output.scheduled:
+        spans: list[tuple[int, int, int]] = []  # (sequence index, start, stop): bidirectional image spans
+        for index, item in enumerate(output.scheduled):
             start, table = item.start_position, item.block_table
             stop = start + item.num_new_tokens
+            spans.extend((index, image.offset, image.stop) for image in item.images if image.bidirectional)
             token_ids.extend(item.token_ids)
             if item.long_rope:
                 positions.extend(self.model.long_rope_rows(range(start, stop)))
             elif item.images or item.position_shift:
                 flat, grids = chunk_positions(start, stop, item.position_shift, item.images)
-                grid_positions.extend((len(positions) + index, rows) for index, rows in grids)
+                grid_positions.extend((len(positions) + at, rows) for at, rows in grids)
                 positions.extend(flat)
             else:
                 positions.extend(range(start, stop))
@@ -266,6 +269,11 @@ class ModelRunner:
             query_start_loc_tensor=to_device(query_start_loc, torch.int32, device),
             seq_lens_tensor=to_device(seq_lens, torch.int32, device),
             max_query_len=max(item.num_new_tokens for item in output.scheduled),
+            bidirectional_spans=tuple(spans),
+            span_key_limits=(
+                to_device(_key_limits(output.scheduled), torch.int32, device)
+                if spans and self._key_limits_on_device else None
+            ),
         )
         return (
             to_device(token_ids, torch.int64, device),
@@ -273,3 +281,18 @@ class ModelRunner:
             metadata,
             to_device(logits_indices, torch.int64, device),
         )
+
+
+def _key_limits(scheduled: Sequence[ScheduledSequence]) -> list[int]:
+    """Each new token's first unseen key position, as the Triton prefill kernel takes them: its position + 1, or the
+    stop of the bidirectional image span it lies in (which ends within its chunk)."""
+    limits: list[int] = []
+    for item in scheduled:
+        start = item.start_position
+        row = list(range(start + 1, start + item.num_new_tokens + 1))
+        for image in item.images:
+            if image.bidirectional:
+                first = max(image.offset, start)
+                row[first - start : image.stop - start] = [image.stop] * (image.stop - first)
+        limits.extend(row)
+    return limits

@@ -102,6 +102,19 @@ class SchedulerCounters:
     long_rope_recomputes: int = 0  # sequences recomputed on growing past LongRoPE's threshold
 
 
+def _whole_images(seq: Sequence, num_new: int, start: int | None = None) -> int:
+    """How many of `num_new` tokens from `start` (its computed count) `seq` may compute in one chunk: a chunk never
+    ends inside an image whose placeholders attend to each other (PlacedImage.bidirectional), where a later chunk
+    would find the image's first rows computed without seeing its last. It stops before such an image, or computes
+    nothing this step when it starts inside one it cannot finish (LLMEngine refuses an image longer than a step)."""
+    start = seq.num_computed_tokens if start is None else start
+    stop = start + num_new
+    for image in seq.images:
+        if image.bidirectional and image.offset < stop < image.stop:
+            return max(0, image.offset - start)
+    return num_new
+
+
 def _schedule_key(seq: Sequence) -> tuple[int, int]:
     """Sort key of every queue: smaller runs earlier (priority, then arrival); the largest is the first victim."""
     return (seq.priority, seq.arrival_order)
@@ -194,11 +207,11 @@ class Scheduler:
                 self._recompute(seq)
                 self.counters.long_rope_recomputes += 1
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new == 0:  # a beam waiting for its siblings' logits
+            num_new = _whole_images(seq, min(seq.num_uncomputed_tokens, budget))
+            if num_new == 0:  # a beam waiting for its siblings' logits, or an image that needs more budget
                 index += 1
                 continue
-            num_new = self._make_room(seq, index, num_new, releasable, preempted, swap_out)
+            num_new = _whole_images(seq, self._make_room(seq, index, num_new, releasable, preempted, swap_out))
             if num_new:
                 scheduled.append(self._schedule_one(seq, num_new))
                 budget -= num_new
@@ -359,7 +372,9 @@ class Scheduler:
                 self._take_rope_table(seq)
         if seq.status is SequenceStatus.SWAPPED:
             num_host = manager.num_host_blocks_of(seq.seq_id)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = _whole_images(seq, min(seq.num_uncomputed_tokens, budget))
+            if num_new == 0:
+                return 0
             stop = seq.num_computed_tokens + num_new
             num_needed = manager.num_blocks_to_swap_in(seq.seq_id, stop)
             if len(swap_in) + num_host > self.config.max_swap_blocks_per_step:
@@ -377,8 +392,8 @@ class Scheduler:
                 # it finds it cached, instead of computing it a second time.
                 return None
             num_cached = len(cached) * size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if num_new < seq.num_tokens - num_cached and not self.config.enable_chunked_prefill:
+            num_new = _whole_images(seq, min(seq.num_tokens - num_cached, budget), num_cached)
+            if num_new == 0 or (num_new < seq.num_tokens - num_cached and not self.config.enable_chunked_prefill):
                 return 0
             num_needed = manager.num_blocks_needed(seq.seq_id, num_cached, num_cached + num_new, cached)
             if not manager.can_allocate(num_needed, cached, reserve=reserve):
@@ -387,7 +402,9 @@ class Scheduler:
                 lookahead = self.config.enable_chunked_prefill and writable > 0 and releasable > 0
                 if not (lookahead and num_needed <= writable // size + releasable):
                     return 0
-                num_new = min(num_new, writable)
+                num_new = _whole_images(seq, min(num_new, writable), num_cached)
+                if num_new == 0:
+                    return 0
             self.waiting.remove(seq)
             manager.allocate(seq.seq_id, num_cached, num_cached + num_new, cached)
             seq.num_computed_tokens = num_cached

@@ -109,11 +109,15 @@ def plan_paged_attention(
     shared_prefix_min_saved_tokens: int = 0,
     window: int | None = None,
     use_prefill_kernel: bool = False,
+    bidirectional_spans: Sequence[tuple[int, int, int]] = (),
 ) -> PagedAttentionPlan:
     """`use_decode_kernel` / `use_prefill_kernel`: single-token rows / prefill chunks go to the CPU kernels.
     Decode rows sharing cached blocks are attended as `SharedPrefixGroup`s where that saves reading
     at least `shared_prefix_min_saved_tokens` tokens' K/V ((rows - 1) x shared tokens); 0: never (and
-    never with a `window`, whose rows share no attended prefix)."""
+    never with a `window`, whose rows share no attended prefix). `bidirectional_spans`: (sequence, start, stop)
+    position ranges whose queries also attend to the span's later keys (transformers' Gemma 3 image mask: a
+    query at p attends key k when k <= p or both are in one span, and, with a window, k > p - window); each
+    span ends within its sequence's chunk, and is for the torch prefill rows only (not `use_prefill_kernel`)."""
     if window is not None:
         shared_prefix_min_saved_tokens = 0
     device = block_tables.device
@@ -177,16 +181,21 @@ def plan_paged_attention(
         )
         prefill_seqs = []
 
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for i, start, stop in bidirectional_spans:
+        spans.setdefault(i, []).append((start, stop))
     prefill_rows = []
     for i in prefill_seqs:
         q_len = query_lens[i]
         seq_len = lens[i]
         first = first_block(seq_len - q_len) * block_size
         mask = None
-        if q_len != seq_len or (window is not None and window < q_len):
+        if q_len != seq_len or (window is not None and window < q_len) or i in spans:
             query_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
             key_pos = torch.arange(first, seq_len, device=device)[None, :]
             mask = key_pos <= query_pos
+            for start, stop in spans.get(i, ()):
+                mask |= (query_pos >= start) & (query_pos < stop) & (key_pos >= start) & (key_pos < stop)
             if window is not None:
                 mask &= key_pos > query_pos - window
         prefill_rows.append(
@@ -406,7 +415,11 @@ def paged_attention_reference(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    bidirectional_spans: Sequence[tuple[int, int, int]] = (),
 ) -> torch.Tensor:
     """Mixed prefill/decode attention in one call (plans and runs)."""
-    plan = plan_paged_attention(query_start_loc, seq_lens, block_tables, k_cache.shape[1], window=window)
+    plan = plan_paged_attention(
+        query_start_loc, seq_lens, block_tables, k_cache.shape[1], window=window,
+        bidirectional_spans=bidirectional_spans,
+    )
     return run_paged_attention(query, k_cache, v_cache, plan, scale, softcap=softcap)

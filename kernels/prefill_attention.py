@@ -14,7 +14,9 @@ query heads of one kv head (GQA), so each K/V tile is loaded once for the whole 
 
 With a sliding window a query at position p attends keys in (p - window, p] only, and a tile reads
 keys from its first query's window on (earlier blocks may be freed); soft-capping (Gemma 2) caps the
-scores before the softmax.
+scores before the softmax. `key_limits` (Gemma 3's images, whose tokens attend to each other both ways)
+gives each query token the first key position it does not see instead of p + 1: an image token's is its
+image's end, within the chunk; the window still applies.
 
 Layout: see kernels/kv_cache_write.py.
 """
@@ -43,7 +45,7 @@ from kernels.triton_utils import (
 
 # Arguments that change from step to step: specialising on them (== 1, divisible by 16) would only
 # multiply compiles, each one a second or more inside a running engine.
-@triton.jit(do_not_specialize=["num_seqs", "block_q", "block_tables_stride"])
+@triton.jit(do_not_specialize=["num_seqs", "block_q", "block_tables_stride", "key_limits_ptr", "has_key_limits"])
 def _prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -52,6 +54,8 @@ def _prefill_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    key_limits_ptr,
+    has_key_limits,
     scale_log2,
     window,
     softcap_log2,
@@ -117,9 +121,13 @@ def _prefill_attention_kernel(
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    # Keys from the tile's first query's window to its last query position; the causal mask and
-    # the window trim the rest per row.
+    # Keys from the tile's first query's window to its last query position (or the furthest key limit);
+    # the causal mask (or the limits) and the window trim the rest per row.
     kv_end = context_len + tl.minimum(first_query + block_q, q_len)
+    limits = query_positions + 1
+    if has_key_limits:  # a runtime branch: no second compile of the kernel
+        limits = tl.load(key_limits_ptr + tokens, mask=row_valid, other=0)
+        kv_end = tl.maximum(kv_end, tl.max(limits, 0))
     kv_start = 0
     if window > 0:
         kv_start = tl.maximum(context_len + first_query - window + 1, 0)
@@ -134,7 +142,7 @@ def _prefill_attention_kernel(
         scores = matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2
         if SOFTCAP:  # in log2 units, with the cap in log2 units too
             scores = soft_cap(scores, softcap_log2)
-        visible = key_valid[None, :] & (key_positions[None, :] <= query_positions[:, None])
+        visible = key_valid[None, :] & (key_positions[None, :] < limits[:, None])
         if window > 0:
             visible = visible & (key_positions[None, :] > query_positions[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
@@ -186,6 +194,7 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
     window: int | None = None,  # sliding window: a query at position p attends keys in (p - window, p]
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
+    key_limits: torch.Tensor | None = None,  # [T] int32: each query's first unseen key position; None: p + 1
 ) -> torch.Tensor:
     """Triton launcher. `max_query_len` (the longest chunk, known on the host) sizes the query
     tiles, so a batch of short chunks does not pay for tall tiles. Rows of q past
@@ -224,6 +233,8 @@ def prefill_attention(
         query_start_loc,
         seq_lens,
         block_tables,
+        key_limits if key_limits is not None else seq_lens,  # not read without limits
+        int(key_limits is not None),
         scale * math.log2(math.e),
         window or 0,
         (softcap or 1.0) * math.log2(math.e),
@@ -261,14 +272,15 @@ def prefill_attention_reference(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    bidirectional_spans: tuple[tuple[int, int, int], ...] = (),
 ) -> torch.Tensor:
-    """Plain-torch `prefill_attention`: the engine's torch paged attention, run in float32 so the
+    """Plain-torch `prefill_attention` (its `key_limits` given as the spans they come from): the engine's torch paged attention, run in float32 so the
     oracle is more precise than the bf16 kernel it checks (a quantized cache's rows dequantized to float32, where
     the kernel rounds them to q's dtype). Rows of q past query_start_loc[-1] come back uninitialized."""
     if not is_quantized(k_cache.dtype):
         k_cache, v_cache = k_cache.float(), v_cache.float()
     out = paged_attention_reference(
         q.float(), k_cache, v_cache, query_start_loc.tolist(), seq_lens.tolist(), block_tables,
-        scale, window=window, softcap=softcap,
+        scale, window=window, softcap=softcap, bidirectional_spans=bidirectional_spans,
     )
     return out.to(q.dtype)

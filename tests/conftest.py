@@ -108,6 +108,15 @@ def qwen2_5_vl_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
 
 
+@pytest.fixture(scope="session")
+def gemma3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Gemma 3 vision-language folder saved by transformers (bench/vision_models.py), built once per
+    session."""
+    from bench.vision_models import make_gemma3
+
+    return make_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
 def hf_smollm2(dtype: torch.dtype = torch.float32):
     """transformers' SmolLM2, read from the bundled GGUF file itself (dequantized by gguf-py to `dtype`): the
     oracle of the engine's runs of it (the converted folder keeps quantized blocks only this engine reads)."""

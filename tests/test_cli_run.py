@@ -411,3 +411,40 @@ def test_run_answers_image_lines_with_qwen2_5_vl(tmp_path: Path, qwen2_5_vl_fold
         body = by_id[custom_id]["response"]["body"]
         assert body["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1], custom_id  # with the placeholders
         assert [entry["token"] for entry in body["choices"][0]["logprobs"]["content"]] == expected, custom_id
+
+
+@pytest.mark.slow
+def test_run_answers_image_lines_with_gemma3(tmp_path: Path, gemma3_folder: Path) -> None:
+    """Image lines on a tiny Gemma 3 folder (its template keeps the parts' order: text, then images), beside a text
+    line: each answers as transformers' `generate` with the folder's processor does, and its usage counts the
+    placeholders and the tokens the processor writes around them."""
+    import torch
+    import transformers
+
+    from bench.vision_models import image
+
+    chat = "/v1/chat/completions"
+    one, two = image(1, 40, 33), image(2, 25, 60)
+    greedy = {"temperature": 0, "max_tokens": 5, "min_tokens": 5}
+    cases = [("one", "describe this picture", [one]), ("text", "hello there", []), ("two", "compare", [one, two])]
+    lines = [
+        request_line(custom_id, chat, {"messages": [{"role": "user", "content": [{"type": "text", "text": text}] + [
+            {"type": "image_url", "image_url": {"url": png_data_url(p)}} for p in pictures]}], **greedy})
+        for custom_id, text, pictures in cases
+    ]
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+
+    assert main(["run", "-i", str(source), "-o", str(results), "--model", str(gemma3_folder), "--dtype", "float32"]) == 0
+    by_id = {record["custom_id"]: record for record in map(json.loads, results.read_text().splitlines())}
+    processor = transformers.AutoProcessor.from_pretrained(gemma3_folder)
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(gemma3_folder, dtype=torch.float32).eval()
+    for custom_id, text, pictures in cases:
+        parts = [{"type": "text", "text": text}] + [{"type": "image"} for _ in pictures]
+        prompt = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+        inputs = processor(images=pictures or None, text=prompt, return_tensors="pt")
+        output = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        expected = processor.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        body = by_id[custom_id]["response"]["body"]
+        assert body["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1], custom_id
+        assert expected and body["choices"][0]["message"]["content"] == expected, custom_id

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.multimodal.kind import load_encoder_weights
+
 # Qwen2_5_VLVisionConfig's defaults (the Hub's configs spell in_channels "in_chans")
 _DEFAULTS = {"depth": 32, "hidden_size": 3584, "hidden_act": "silu", "intermediate_size": 3420, "num_heads": 16,
              "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
@@ -243,18 +245,5 @@ class Qwen25VisionTransformer(nn.Module):
             hidden = block(hidden, cos, sin, whole if index in config.fullatt_block_indexes else windows)
         return self.merger(hidden)[:, layout.merged_order.to(device)]
 
-    @torch.no_grad()
     def load_weights(self, named_tensors: Any) -> None:
-        params = dict(self.named_parameters())
-        filled = set()
-        for name, tensor in named_tensors:
-            if name not in params:
-                raise ValueError(f"unexpected vision tensor {name!r} in a Qwen2.5-VL checkpoint")
-            whole = tensor[:] if not isinstance(tensor, torch.Tensor) else tensor
-            if params[name].shape != whole.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(whole.shape)} != model {tuple(params[name].shape)}")
-            params[name].copy_(whole)
-            filled.add(name)
-        missing = sorted(set(params) - filled)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} vision tensors, e.g. {missing[:3]}")
+        load_encoder_weights(self, named_tensors, strict_family="Qwen2.5-VL")  # every vision tensor is read

@@ -1,7 +1,8 @@
-"""CLIP-style image preprocessing, equal to transformers' `CLIPImageProcessor` on its PIL backend (the reference
-numerics; the torchvision backend resizes on tensors and differs in the last bits): resize the shortest edge with
-PIL, centre-crop (zero-padding a smaller image), rescale in float64 then float32, normalise per channel. Read from
-the folder's processor settings, without importing transformers."""
+"""CLIP-style image preprocessing, equal to transformers' `CLIPImageProcessor` (and `Gemma3ImageProcessor`, which
+resizes to a fixed size and does not crop) on its PIL backend (the reference numerics; the torchvision backend
+resizes on tensors and differs in the last bits): resize the shortest edge (or to a fixed size) with PIL,
+centre-crop (zero-padding a smaller image), rescale in float64 then float32, normalise per channel. Read from the
+folder's processor settings, without importing transformers."""
 
 from __future__ import annotations
 
@@ -30,13 +31,18 @@ class ClipImageProcessing:
     std: tuple[float, ...] | None
 
     @classmethod
-    def from_folder(cls, folder: Path) -> "ClipImageProcessing":
+    def from_folder(cls, folder: Path, processor: str = "CLIPImageProcessor") -> "ClipImageProcessing":
         """The image processor settings transformers saved: `preprocessor_config.json` (the Hub's, older
-        transformers), else `processor_config.json`'s "image_processor" (transformers 5)."""
-        settings = read_image_processor_settings(folder)
-        kind = settings.get("image_processor_type", "CLIPImageProcessor")
-        if kind.removesuffix("Fast").removesuffix("Pil") != "CLIPImageProcessor":
-            raise ValueError(f"{folder}: image processor {kind!r} is not supported here; expected CLIPImageProcessor")
+        transformers), else `processor_config.json`'s "image_processor" (transformers 5). `processor`: the class
+        the family's folders name, whose steps are these (Gemma 3's `Gemma3ImageProcessor` too: resize to a fixed
+        size, no crop)."""
+        return cls.from_settings(read_image_processor_settings(folder), folder, processor)
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any], folder: Path, processor: str) -> "ClipImageProcessing":
+        kind = settings.get("image_processor_type", processor)
+        if kind.removesuffix("Fast").removesuffix("Pil") != processor:
+            raise ValueError(f"{folder}: image processor {kind!r} is not supported here; expected {processor}")
         size, crop = settings.get("size") or {}, settings.get("crop_size")
         if isinstance(size, int):
             size = {"shortest_edge": size}

@@ -38,6 +38,9 @@ class PlacedImage:
     pixel_values: "torch.Tensor"  # the model's preprocessed input, e.g. [3, H, W] float32
     rotary_positions: "torch.Tensor | None" = None  # [3, length] int64 relative positions; None: one each, 1-D
     position_span: int = 0  # rotary positions the image takes (= length when rotary_positions is None)
+    # Its placeholders attend to each other both ways (VisionLanguageKind.bidirectional_images, Gemma 3): the
+    # scheduler computes them within one prefill chunk, and the chunk's attention adds their span to its mask.
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if self.rotary_positions is None:

@@ -3,17 +3,15 @@
 the "default" strategy, goes through a two-layer projector into a Llama-family text model, one row per
 placeholder. Its processor expands each `<image>` into (image_size / patch_size)^2 of them (+1 with "full").
 
-Checkpoint names, all read: as the Hub publishes them (`vision_tower.vision_model.*`, `multi_modal_projector.*`,
-`language_model.model.*`, `language_model.lm_head.*`), as transformers 4.5x saves them (`model.vision_tower.*`,
-`model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.*`) and as transformers 5 does
-(`vision_tower.embeddings.*` without `vision_model.`, `language_model.model.*`).
+Checkpoint names, all read: the Hub's, transformers 4.5x's and transformers 5's layouts
+(`kind.route_conditional_generation`).
 
 `detail`: LLaVA-1.5 sees every image at its one input size (336 px), so "auto", "low" and "high" all give the
 same input; other values are refused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,9 @@ from torch import nn
 from engine.models.clip import ClipVisionConfig, ClipVisionModel, activation
 from engine.multimodal.image_processor import ClipImageProcessing, read_processor_settings
 from engine.multimodal.inputs import DETAILS, ImageInput
-from engine.multimodal.kind import CheckpointPart
+from engine.multimodal.kind import (
+    CheckpointPart, load_encoder_weights, repeat_image_marks, route_conditional_generation,
+)
 
 # LlamaConfig's defaults, for text configs saved with only what differs from them (the Hub's LLaVA-1.5 configs)
 _LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -57,25 +57,14 @@ class LlavaVisionEncoder(nn.Module):
             states = [state[:, 1:] for state in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
 
-    @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        params = dict(self.named_parameters())
-        filled = set()
-        for name, tensor in named_tensors:
-            if name not in params:
-                continue  # the final norm and the layers past the last one read: transformers computes, LLaVA ignores
-            whole = tensor[:] if not isinstance(tensor, torch.Tensor) else tensor
-            if params[name].shape != whole.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(whole.shape)} != model {tuple(params[name].shape)}")
-            params[name].copy_(whole)
-            filled.add(name)
-        missing = sorted(set(params) - filled)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} vision tensors, e.g. {missing[:3]}")
+        # the final norm and the layers past the last one read: transformers computes them, LLaVA ignores them
+        load_encoder_weights(self, named_tensors)
 
 
 class LlavaKind:
     name = "LlavaForConditionalGeneration"
+    bidirectional_images = False  # causal, like the text around them
 
     def __init__(self, hf_config: dict[str, Any], folder: Path) -> None:
         self._hf = hf_config
@@ -114,6 +103,9 @@ class LlavaKind:
         defaults = _LLAMA_DEFAULTS if model_type == "llama" else {}
         return {**defaults, **text, "architectures": [_TEXT_ARCHITECTURES[model_type]]}
 
+    def expand(self, prompt_token_ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+        return repeat_image_marks(prompt_token_ids, self.image_token_id, lengths)
+
     def num_placeholders(self, image: ImageInput) -> int:
         return self._num_placeholders
 
@@ -126,18 +118,7 @@ class LlavaKind:
         return None  # a Llama-family decoder: one position per placeholder
 
     def route(self, name: str) -> tuple[CheckpointPart, str] | None:
-        if name.startswith(("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.")):
-            name = name.removeprefix("model.")
-        if name.startswith("vision_tower."):
-            return "vision", "vision_tower." + name.removeprefix("vision_tower.").removeprefix("vision_model.")
-        if name.startswith("multi_modal_projector."):
-            return "vision", name
-        if name.startswith("language_model."):
-            rest = name.removeprefix("language_model.")
-            return "text", rest if rest.startswith(("model.", "lm_head.")) else "model." + rest
-        if name.startswith("lm_head."):
-            return "text", name
-        raise ValueError(f"unexpected tensor {name!r} in a LLaVA checkpoint")
+        return route_conditional_generation(name, "LLaVA")
 
     def build_encoder(self) -> LlavaVisionEncoder:
         hf = self._hf

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 
 from engine.models.qwen2_5_vit import Qwen25VisionConfig, Qwen25VisionTransformer
 from engine.multimodal.inputs import DETAILS, ImageInput
-from engine.multimodal.kind import CheckpointPart
+from engine.multimodal.kind import CheckpointPart, repeat_image_marks
 from engine.multimodal.qwen2_vl_processing import Qwen2VLImageProcessing, smart_resize
 
 # Qwen2_5_VLTextConfig's defaults, for what a config leaves out
@@ -39,6 +40,7 @@ _NOT_TEXT = ("vision_config", "text_config", "architectures", "model_type", "ima
 
 class Qwen25VLKind:
     name = "Qwen2_5_VLForConditionalGeneration"
+    bidirectional_images = False  # causal, like the text around them
 
     def __init__(self, hf_config: dict[str, Any], folder: Path) -> None:
         self._hf = hf_config
@@ -77,6 +79,9 @@ class Qwen25VLKind:
         if "rope_theta" not in config and "rope_theta" not in (config.get("rope_parameters") or {}):
             config["rope_theta"] = _ROPE_THETA
         return config
+
+    def expand(self, prompt_token_ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+        return repeat_image_marks(prompt_token_ids, self.image_token_id, lengths)  # each <|image_pad|> repeated
 
     def num_placeholders(self, image: ImageInput) -> int:
         frames, rows, columns = self._processing(image.detail).grid(*image.image.size)

@@ -6,6 +6,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from engine.multimodal.gemma3 import Gemma3Kind
 from engine.multimodal.kind import VisionLanguageKind
 from engine.multimodal.llava import LlavaKind
 from engine.multimodal.qwen2_5_vl import Qwen25VLKind
@@ -13,6 +14,7 @@ from engine.multimodal.qwen2_5_vl import Qwen25VLKind
 FAMILIES: dict[str, Callable[[dict[str, Any], Path], VisionLanguageKind]] = {
     "LlavaForConditionalGeneration": LlavaKind,
     "Qwen2_5_VLForConditionalGeneration": Qwen25VLKind,
+    "Gemma3ForConditionalGeneration": Gemma3Kind,
 }
 
 

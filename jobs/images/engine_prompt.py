@@ -6,7 +6,8 @@ A line's checks (`jobs.openai_format.validation`) count its text alone: the plac
 known to the model's preprocessing, once the image is decoded. Here, on the chunk's thread (never the engine's), the
 prompt is expanded and counted as the engine will hold it: in the context length, the admission limits and the
 line's `usage.prompt_tokens`, which counts every placeholder token (576 per image for LLaVA-1.5 at 336 px; for
-Qwen2.5-VL one per 28 x 28 px block of the image as its preprocessing resizes it).
+Qwen2.5-VL one per 28 x 28 px block of the image as its preprocessing resizes it; for Gemma 3 256 and the few tokens
+its processor writes around them).
 """
 
 from __future__ import annotations
