@@ -29,6 +29,21 @@ def register_service_fixtures(config: pytest.Config) -> None:
     for plugin in SERVICE_FIXTURES:
         config.pluginmanager.import_plugin(plugin)
 
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The CPU this run took its time on, at the end of the run's output where CI's record shows it: the suite's time
+    is a figure per CPU kind (README, "Tests")."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return
+    fields = {line.split(":")[0].strip(): line.partition(":")[2].strip() for line in lines[:64]}
+    flags = set(fields.get("flags", "").split())
+    kind = ("AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags
+            else "AVX-512" if "avx512f" in flags else "AVX2-only" if "avx2" in flags else "no AVX2")
+    terminalreporter.write_line(f"CPU: {fields.get('model name', 'unknown')} ({kind}), {os.cpu_count()} cores")
+
+
 # Triton decides between compiling and interpreting when a kernel module is imported, and engine
 # tests import kernels first: without a GPU, interpret.
 if not torch.cuda.is_available():
