@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.llm_engine import LLMEngine
+from engine.parallel_layers import QuantizableLinear
 
 CATEGORIES = ("matmuls", "attention", "other model ops", "sampling", "scheduling", "python overhead")
 
@@ -72,7 +73,8 @@ class StepProfile:
         engine, runner = self.engine, self.engine.runner
         model = runner.model
         for module in model.modules():
-            if isinstance(module, nn.Linear):
+            # The models' projections are QuantizableLinear (float, GGUF blocks, int8/int4...), not nn.Linear.
+            if isinstance(module, (nn.Linear, QuantizableLinear)):
                 module.register_forward_pre_hook(self._start_linear)
                 module.register_forward_hook(self._stop_linear)
         model.register_forward_pre_hook(self._start_forward)
