@@ -94,3 +94,10 @@ def test_tp2_image_lines_match_hf(fixture: str, request: pytest.FixtureRequest) 
         assert_equal_to_hf([forked], runs[1:2])
     finally:
         llm.engine.close()
+
+
+def test_the_text_decoder_widths_must_divide(llava_folder: Path) -> None:
+    """What tensor parallelism refuses of a vision-language model is its text decoder's (4 heads here), before any rank
+    starts; the encoder, whole on every rank, has no width to divide."""
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
+        LLM(str(llava_folder), dtype="float32", device="cpu", tensor_parallel_size=3)
