@@ -86,6 +86,7 @@ def test_tp2_image_lines_match_hf(fixture: str, request: pytest.FixtureRequest) 
         assert_equal_to_hf(llm.chat(conversations, greedy(max_tokens), use_tqdm=False), runs)
         stats = llm.engine.stats()
         assert stats.preemptions.get(mode, 0) > 0
+        assert stats.prefix_cache_hit_tokens > 0  # blocks found again: a shared prompt start or image, a recomputed prompt
         # Three distinct images: chunks and recomputed prompts found theirs in the encoder cache (rank 0's; the
         # other rank's ran the same steps).
         assert stats.images_encoded == 3 and stats.encoder_cache_hits >= 1
