@@ -48,7 +48,8 @@ FAMILIES = {
         {"max_num_batched_tokens": 8, "num_kv_blocks": 16, "preemption_mode": "swap"},
     ),
     "qwen2_5_vl_folder": Family(
-        test_qwen2_5_vl, qwen_generate, {"max_num_batched_tokens": 8, "num_kv_blocks": 20, "preemption_mode": "recompute"},
+        test_qwen2_5_vl, qwen_generate,
+        {"max_num_batched_tokens": 8, "num_kv_blocks": 20, "preemption_mode": "recompute"},
     ),
     "gemma3_folder": Family(
         test_vision_gemma3, test_vision_gemma3.hf_generate,
@@ -86,7 +87,7 @@ def test_tp2_image_lines_match_hf(fixture: str, request: pytest.FixtureRequest) 
         assert_equal_to_hf(llm.chat(conversations, greedy(max_tokens), use_tqdm=False), runs)
         stats = llm.engine.stats()
         assert stats.preemptions.get(mode, 0) > 0
-        assert stats.prefix_cache_hit_tokens > 0  # blocks found again: a shared prompt start or image, a recomputed prompt
+        assert stats.prefix_cache_hit_tokens > 0  # found again: a shared prompt start or image, a recomputed prompt
         # Three distinct images: chunks and recomputed prompts found theirs in the encoder cache (rank 0's; the
         # other rank's ran the same steps).
         assert stats.images_encoded == 3 and stats.encoder_cache_hits >= 1
