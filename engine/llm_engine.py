@@ -65,10 +65,9 @@ class LLMEngine:
 
         source = resolve_model(model, load_format)
         self.model_name = source.name
-        # A vision-language checkpoint: its text decoder is an ordinary decoder, its encoder runs in the step.
+        # A vision-language checkpoint: its text decoder is an ordinary decoder (sharded like any other under tensor
+        # parallelism), its encoder runs in the step (whole on every rank: engine/model_shard.py, _build_vision).
         self.vision_kind: VisionLanguageKind | None = vision_kind_for(source.hf_config, source.path)
-        if self.vision_kind is not None and self.config.tensor_parallel_size > 1:
-            raise ValueError("vision-language models do not run with tensor parallelism yet (tensor_parallel_size > 1)")
         text_config = source.hf_config if self.vision_kind is None else self.vision_kind.text_config()
         self.model_config = ModelConfig.from_hf(text_config)
         has_tokenizer = source.path is not None and (source.path / "tokenizer.json").exists()
@@ -344,7 +343,7 @@ class LLMEngine:
         )
 
     def _vision_stats(self) -> dict[str, int]:
-        vision = self.runner.vision if isinstance(self.runner, ModelRunner) else None
+        vision = self.runner.vision
         if vision is None:
             return {}
         return {"images_encoded": vision.images_encoded, "encoder_cache_hits": vision.cache.hits}

@@ -199,7 +199,13 @@ def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[],
 
 
 def _build_vision(spec: ShardSpec, device: torch.device) -> EncoderStep | None:
-    """A vision-language model's encoder and projector, with its output cache; None for a text-only model."""
+    """A vision-language model's encoder and projector, with its output cache; None for a text-only model.
+
+    Built outside the tensor-parallel group (`building_with`): every rank holds the whole encoder and encodes the
+    images of each step itself, from the pixels in the step data every rank receives. The encoders are small beside
+    their decoders (a few hundred million parameters, run once per image), so this costs each rank that memory and
+    the encoder's time in parallel, and needs no collective and no divisibility of the encoder's heads; the ranks'
+    encoder caches see the same steps, so they hold the same images."""
     kind = spec.vision_kind
     if kind is None:
         return None

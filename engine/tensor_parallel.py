@@ -3,7 +3,10 @@ step to them, and fails loudly when one dies.
 
 Rank 0 alone schedules and samples. Each step it pickles the SchedulerOutput once and writes it down a pipe to
 every other rank (and each LoRA adapter registered, once: every rank loads its own shard of it into its slots); each rank then moves its own KV blocks (swap, copy-on-write) and runs its shard of the forward
-pass, meeting the others in the layers' collectives. The pipes carry plain data only and a rank blocks on its
+pass, meeting the others in the layers' collectives. A vision-language model's step carries, per prefill chunk, the
+images it reaches (preprocessed pixels, M-RoPE grid positions, bidirectional spans: `ScheduledSequence.images`):
+every rank encodes them with its own whole copy of the encoder and splices the rows into its input embeddings, as a
+single engine does, with no collective of its own. The pipes carry plain data only and a rank blocks on its
 pipe while the engine is idle, so an idle engine has no collective waiting to time out.
 
 Failure is bounded in time: a watchdog thread on rank 0 waits on the ranks' process sentinels and records the
@@ -43,6 +46,7 @@ from engine.distributed import (
 from engine.lora import LoRAAdapter
 from engine.model_runner import ModelRunner, StepResult
 from engine.model_shard import ModelShard, ShardSpec, build_model_shard
+from engine.multimodal.encoder_step import EncoderStep
 from engine.sampler import SamplingRow
 from engine.scheduler import SchedulerOutput
 
@@ -161,6 +165,11 @@ class TensorParallelRunner:
     @property
     def adapters(self) -> dict[str, LoRAAdapter]:
         return self.local.adapters
+
+    @property
+    def vision(self) -> EncoderStep | None:
+        """Rank 0's encoder pass: every rank runs its own over the same steps, so its counts are every rank's."""
+        return self.local.vision
 
     def register_adapter(self, adapter: LoRAAdapter) -> None:
         """Every rank keeps the adapter (its slots hold their own shard of it when a step loads it)."""

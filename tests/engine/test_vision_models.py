@@ -70,16 +70,15 @@ def llava(llava_folder: Path) -> Path:
     return llava_folder
 
 
-@pytest.fixture(scope="module")
-def hf_runs(llava: Path) -> list[tuple[list[int], list[float]]]:
+def hf_generate(folder: Path, conversations: list[list[dict]]) -> list[tuple[list[int], list[float]]]:
     """transformers' greedy tokens for each conversation, with the folder's own processor, and each token's log-prob
     under the raw logits."""
     import transformers
 
-    processor = transformers.AutoProcessor.from_pretrained(llava)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     runs = []
-    for conversation in CONVERSATIONS:
+    for conversation in conversations:
         text = processor.apply_chat_template(conversation, add_generation_prompt=True)
         images = [part["image"] for part in conversation[0]["content"] if part["type"] == "image"] or None
         inputs = processor(images=images, text=text, return_tensors="pt")
@@ -91,6 +90,11 @@ def hf_runs(llava: Path) -> list[tuple[list[int], list[float]]]:
         logprobs = [logits[0].log_softmax(-1)[token].item() for logits, token in zip(output.logits, tokens)]
         runs.append((tokens, logprobs))
     return runs
+
+
+@pytest.fixture(scope="module")
+def hf_runs(llava: Path) -> list[tuple[list[int], list[float]]]:
+    return hf_generate(llava, CONVERSATIONS)
 
 
 @pytest.fixture(scope="module")
