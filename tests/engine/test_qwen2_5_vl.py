@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from bench.vision_models import QWEN_WORDS, image, qwen_processor
@@ -24,6 +23,7 @@ from engine.multimodal.positions import chunk_positions, position_shift
 from engine.multimodal.prompt import expand_image_prompt
 from engine.outputs import RequestOutput
 from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+from tests.engine.vision_oracle import hf_greedy_run, user
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +32,6 @@ MAX_TOKENS = 8
 # 200 x 90: resized down to max_pixels (6 x 12 patches, 18 placeholders); TWIN: WIDE's size, other pixels.
 WIDE, SMALL, TALL, TWIN = image(1, 56, 84), image(2, 40, 33), image(3, 200, 90), image(5, 56, 84)
 IMAGE_PAD = QWEN_WORDS.index("<|image_pad|>")
-
-
-def user(text: str, *images: Image.Image) -> list[dict]:
-    parts = [{"type": "image", "image": picture} for picture in images] + [{"type": "text", "text": text}]
-    return [{"role": "user", "content": parts}]
 
 
 CONVERSATIONS = [
@@ -66,15 +61,7 @@ def hf_model(folder: Path):
 
 def hf_generate(processor, model, conversation: list[dict]) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens with the folder's processor, and each token's log-prob under the raw logits."""
-    text = processor.apply_chat_template(conversation, add_generation_prompt=True)
-    images = [part["image"] for part in conversation[0]["content"] if part["type"] == "image"] or None
-    inputs = processor(images=images, text=text, return_tensors="pt")
-    output = model.generate(
-        **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS, output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = output.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    return tokens, [logits[0].log_softmax(-1)[token].item() for logits, token in zip(output.logits, tokens)]
+    return hf_greedy_run(processor, model, conversation, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

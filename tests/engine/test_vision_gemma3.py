@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 from bench.vision_models import GEMMA3_WORDS, image
 from engine import LLM, SamplingParams
@@ -22,16 +21,12 @@ from engine.multimodal import ImageInput
 from engine.outputs import RequestOutput
 from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.engine.test_vision_models import relayout
+from tests.engine.vision_oracle import hf_greedy_run, user
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 6
 RED, NOISE, WIDE = image(1, 40, 33), image(2, 25, 60), image(3, 90, 31)
-
-
-def user(text: str, *images: Image.Image) -> list[dict]:
-    parts = [{"type": "image", "image": picture} for picture in images] + [{"type": "text", "text": text}]
-    return [{"role": "user", "content": parts}]
 
 
 CONVERSATIONS = [
@@ -54,21 +49,8 @@ def hf_generate(folder: Path, conversations: list[list[dict]], bidirectional: bo
 
     processor = transformers.AutoProcessor.from_pretrained(folder)
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    runs = []
-    for conversation in conversations:
-        text = processor.apply_chat_template(conversation, add_generation_prompt=True)
-        images = [part["image"] for part in conversation[0]["content"] if part["type"] == "image"] or None
-        inputs = processor(images=images, text=text, return_tensors="pt")
-        if not bidirectional:
-            inputs.pop("token_type_ids")
-        output = model.generate(
-            **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS, output_logits=True,
-            return_dict_in_generate=True,
-        )
-        tokens = output.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-        logprobs = [logits[0].log_softmax(-1)[token].item() for logits, token in zip(output.logits, tokens)]
-        runs.append((tokens, logprobs))
-    return runs
+    dropped = () if bidirectional else ("token_type_ids",)
+    return [hf_greedy_run(processor, model, conversation, MAX_TOKENS, dropped) for conversation in conversations]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
@@ -19,6 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.multimodal import ImageInput
 from engine.outputs import RequestOutput
 from bench.vision_models import WORDS, image
+from tests.engine.vision_oracle import hf_greedy_run, user
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +52,6 @@ def transformers4_name(name: str) -> str:  # transformers 4.52+'s save_pretraine
 RED, NOISE, WIDE = image(1, 40, 33), image(2, 25, 60), image(3, 90, 31)
 
 
-def user(text: str, *images: Image.Image) -> list[dict]:
-    parts = [{"type": "image", "image": picture} for picture in images] + [{"type": "text", "text": text}]
-    return [{"role": "user", "content": parts}]
-
-
 CONVERSATIONS = [
     user("describe this picture", RED),
     user("compare the two pictures", NOISE, WIDE),
@@ -77,19 +72,7 @@ def hf_generate(folder: Path, conversations: list[list[dict]]) -> list[tuple[lis
 
     processor = transformers.AutoProcessor.from_pretrained(folder)
     model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    runs = []
-    for conversation in conversations:
-        text = processor.apply_chat_template(conversation, add_generation_prompt=True)
-        images = [part["image"] for part in conversation[0]["content"] if part["type"] == "image"] or None
-        inputs = processor(images=images, text=text, return_tensors="pt")
-        output = model.generate(
-            **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS, output_logits=True,
-            return_dict_in_generate=True,
-        )
-        tokens = output.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-        logprobs = [logits[0].log_softmax(-1)[token].item() for logits, token in zip(output.logits, tokens)]
-        runs.append((tokens, logprobs))
-    return runs
+    return [hf_greedy_run(processor, model, conversation, MAX_TOKENS) for conversation in conversations]
 
 
 @pytest.fixture(scope="module")
