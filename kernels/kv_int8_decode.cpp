@@ -50,6 +50,7 @@ inline uint16_t from_float<uint16_t>(float x) {  // to bf16, round to nearest ev
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
+#include "avx512_math.h"  // exp2_ps, sum_lanes_16 (cpu_kernels.cpp's too)
 namespace isa_avx512 {
 using vec = __m512;
 constexpr int64_t W = 16;
@@ -66,32 +67,8 @@ static inline float reduce_max(vec v) { return _mm512_reduce_max_ps(v); }
 static inline vec load_int8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-// 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2 and 2^f by its degree-5 Taylor polynomial: relative error below
-// 3e-6 (cpu_kernels.cpp's exp2_ps). Very negative x gives exactly 0 (scalef).
-static inline vec exp2(vec x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910071f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718055994531f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-// Lane i of the result: the sum of v[i]'s 16 lanes, by a transpose-and-add tree (cpu_kernels.cpp's sum_lanes_16).
-static inline vec sum_lanes(const vec* v) {
-  __m512 w[8], y[4];
-  for (int k = 0; k < 8; ++k)
-    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {
-    const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
-    y[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
-  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
-}
+static inline vec exp2(vec x) { return exp2_ps(x); }
+static inline vec sum_lanes(const vec* v) { return sum_lanes_16(v); }
 #include "kv_int8_decode_body.h"
 }  // namespace isa_avx512
 #pragma GCC pop_options
