@@ -54,6 +54,7 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _INT8_DECODE_SOURCE = Path(__file__).with_name("kv_int8_decode.cpp")
 _INT8_DECODE_BODY = Path(__file__).with_name("kv_int8_decode_body.h")
 _AVX512_MATH = Path(__file__).with_name("avx512_math.h")  # included by both builds
+ISA_DISPATCH = Path(__file__).with_name("isa_dispatch.h")  # included by the builds that pick a path at run time
 
 # The int8 cache's decode attention paths: `auto` the widest this CPU runs for the call's head_dim and dtype.
 Int8DecodePath = Literal["auto", "avx512", "avx2", "portable"]
@@ -81,7 +82,7 @@ def load_int8_decode_kernels() -> ModuleType | None:
     picked at run time), or None where it cannot be built: the portable kernel then reads int8 caches."""
     try:
         return load_extension(
-            f"conveyor_kv_int8_decode_{build_digest(_INT8_DECODE_SOURCE, _INT8_DECODE_BODY, _AVX512_MATH)}",
+            f"conveyor_kv_int8_decode_{build_digest(_INT8_DECODE_SOURCE, _INT8_DECODE_BODY, _AVX512_MATH, ISA_DISPATCH)}",
             "the int8 KV cache's decode attention",
             [_INT8_DECODE_SOURCE],
             extra_cflags=["-O3", "-fopenmp"],  # no -march=native: each path is compiled for its instruction set
@@ -101,7 +102,7 @@ def int8_decode_paths(head_dim: int, dtype: torch.dtype) -> tuple[str, ...]:
     if kernels is None or not kernels.supports(head_dim) or dtype not in (torch.float32, torch.bfloat16):
         return ("portable",)
     order = ("portable", "avx2", "avx512")
-    return order[: order.index(kernels.best_isa()) + 1] if kernels.best_isa() in order else ("portable",)
+    return order[: order.index(kernels.best_isa()) + 1]
 
 
 def load_extension(

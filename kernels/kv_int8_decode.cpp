@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "isa_dispatch.h"
+
 namespace {
 
 // Below any real score, and finite. exp2(kNoScore - score) is exactly 0.
@@ -129,31 +131,10 @@ static inline vec sum_lanes(const vec* v) {
 
 namespace {
 
-enum class Isa { None, Avx2, Avx512 };
-
-Isa best_isa() {
-#ifdef CONVEYOR_X86_PATHS
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    return Isa::Avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
-#endif
-  return Isa::None;
-}
-
-const char* isa_name(Isa isa) { return isa == Isa::Avx512 ? "avx512" : isa == Isa::Avx2 ? "avx2" : "none"; }
-
-Isa parse_isa(const std::string& name) {
-  const Isa best = best_isa();
-  if (name == "auto") return best;
-  Isa wanted;
-  if (name == "avx512") wanted = Isa::Avx512;
-  else if (name == "avx2") wanted = Isa::Avx2;
-  else TORCH_CHECK(false, "isa must be auto, avx512 or avx2; got ", name);
-  TORCH_CHECK((int)wanted <= (int)best, "this CPU cannot run the ", name, " path (best: ", isa_name(best), ")");
-  return wanted;
-}
+using isa_dispatch::Isa;
+using isa_dispatch::best_isa;
+using isa_dispatch::isa_name;
+using isa_dispatch::parse_isa;
 
 }  // namespace
 
@@ -178,7 +159,8 @@ void decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor 
   TORCH_CHECK(token_index.scalar_type() == torch::kInt64, "int64 token_index");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads a multiple of kv heads");
   const Isa isa = parse_isa(isa_choice);
-  TORCH_CHECK(isa != Isa::None, "this CPU has neither AVX-512 nor AVX2");
+  // Its portable path is the C++ CPU kernels' own (cpu_kernels.cpp), not this build's.
+  TORCH_CHECK(isa != Isa::Portable, "no portable int8 decode path here; this CPU has neither AVX-512 nor AVX2");
 #ifdef CONVEYOR_X86_PATHS
   const auto run = [&](auto dim, auto* q) {
     using q_t = std::remove_const_t<std::remove_pointer_t<decltype(q)>>;
@@ -206,5 +188,5 @@ void decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over an int8 KV cache (AVX-512 / AVX2)");
   m.def("supports", &supports, "whether decode_attention has a kernel for this head_dim");
-  m.def("best_isa", &best_isa_name, "the widest path this CPU runs: avx512, avx2 or none");
+  m.def("best_isa", &best_isa_name, "the widest path this CPU runs: avx512, avx2 or portable (the C++ CPU kernels' own)");
 }

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "isa_dispatch.h"
+
 namespace {
 
 // ggml's type ids, the two weight-only group formats, and the asymmetric 4-bit groups of AWQ / GPTQ checkpoints
@@ -95,34 +97,10 @@ namespace isa_portable {
 
 namespace {
 
-enum class Isa { Portable, Avx2, Avx512 };
-
-Isa best_isa() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    return Isa::Avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
-#endif
-  return Isa::Portable;
-}
-
-const char* isa_name(Isa isa) {
-  return isa == Isa::Avx512 ? "avx512" : isa == Isa::Avx2 ? "avx2" : "portable";
-}
-
-Isa parse_isa(const std::string& name) {
-  const Isa best = best_isa();
-  if (name == "auto") return best;
-  Isa wanted;
-  if (name == "avx512") wanted = Isa::Avx512;
-  else if (name == "avx2") wanted = Isa::Avx2;
-  else if (name == "portable") wanted = Isa::Portable;
-  else TORCH_CHECK(false, "isa must be auto, avx512, avx2 or portable; got ", name);
-  TORCH_CHECK((int)wanted <= (int)best, "this CPU cannot run the ", name, " path (best: ", isa_name(best), ")");
-  return wanted;
-}
+using isa_dispatch::Isa;
+using isa_dispatch::best_isa;
+using isa_dispatch::isa_name;
+using isa_dispatch::parse_isa;
 
 void check_weight(const torch::Tensor& weight, const Format& format, int64_t columns) {
   TORCH_CHECK(weight.dtype() == torch::kUInt8 && weight.dim() == 2 && weight.is_contiguous(),

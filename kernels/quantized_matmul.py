@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kernels.cpu_kernels import build_digest, load_extension
+from kernels.cpu_kernels import ISA_DISPATCH, build_digest, load_extension
 
 _SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
 _BODY = Path(__file__).with_name("quantized_matmul_body.h")
@@ -48,7 +48,7 @@ def load_quantized_kernels() -> ModuleType:
     """The compiled extension. Unlike the optional CPU kernels there is no torch path to keep: a quantized model
     needs it, so a failed build raises (with the compiler's message)."""
     return load_extension(
-        f"conveyor_quantized_matmul_{build_digest(_SOURCE, _BODY)}",
+        f"conveyor_quantized_matmul_{build_digest(_SOURCE, _BODY, ISA_DISPATCH)}",
         "the quantized matmul kernels",
         [_SOURCE],
         extra_cflags=["-O3", "-fopenmp"],  # no -march=native: each path is compiled for its own instruction set
