@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -132,9 +133,12 @@ def gemma3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_gemma3(tmp_path_factory.mktemp("gemma3"))
 
 
+@functools.cache
 def hf_smollm2(dtype: torch.dtype = torch.float32):
     """transformers' SmolLM2, read from the bundled GGUF file itself (dequantized by gguf-py to `dtype`): the
-    oracle of the engine's runs of it (the converted folder keeps quantized blocks only this engine reads)."""
+    oracle of the engine's runs of it (the converted folder keeps quantized blocks only this engine reads). Read
+    once per session and dtype (each read takes 15-25 s on 2 cores: transformers converts the file's tokenizer and
+    tensors) and shared: a caller that changes the model (peft wrapping it) takes a `copy.deepcopy` of it."""
     import transformers
 
     from engine.model_registry import DEFAULT_MODEL, transformers_source

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ def save_smollm2_adapters(folder: Path, names: list[str], target_modules: list[s
         torch.manual_seed(seed)
         # init_lora_weights=False: B non-zero, so the adapter changes the output
         config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, init_lora_weights=False)
-        peft.get_peft_model(hf_smollm2(), config).save_pretrained(folder / name)
+        # a copy: peft wraps the model it is given in place, and hf_smollm2's is shared
+        peft.get_peft_model(copy.deepcopy(hf_smollm2()), config).save_pretrained(folder / name)
         folders[name] = folder / name
     return folders

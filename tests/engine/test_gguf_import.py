@@ -21,7 +21,7 @@ from engine.config import ModelConfig
 from engine.gguf_import import CONVERTER_VERSION, convert_gguf_to_hf_folder
 from engine.model_registry import _gguf_cache_key
 from engine.tokenizer import Tokenizer
-from tests.engine.hf_oracle import PROMPTS, _hf_generate
+from tests.engine.hf_oracle import PROMPTS, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -215,7 +215,7 @@ def own_cache_dir(tmp_path, monkeypatch):
 def test_gguf_with_rope_freqs_matches_transformers(llama31, tmp_path):
     path = tmp_path / "llama31.gguf"
     _write_gguf_from_hf(llama31, path)
-    expected = _hf_generate(llama31, PROMPTS, 30)
+    expected = hf_greedy(llama31, PROMPTS, 30, eos=None)
     llm = LLM(model=str(path), dtype="float32", device="cpu")
     got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected
@@ -262,7 +262,7 @@ def test_gguf_family_layouts_match_transformers(family, tmp_path):
     _write_gguf_from_hf(model, path, arch)
     reference = transformers.AutoModelForCausalLM.from_config(model.config, attn_implementation="eager")
     reference.load_state_dict(model.state_dict())
-    expected = _hf_generate(reference.float().eval(), PROMPTS, 20)
+    expected = hf_greedy(reference.float().eval(), PROMPTS, 20, eos=None)
     llm = LLM(model=str(path), dtype="float32", device="cpu")
     ours = llm.engine.model_config
     theirs = ModelConfig.from_hf({**model.config.to_dict(), "architectures": [type(model).__name__]})

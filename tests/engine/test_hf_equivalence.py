@@ -12,59 +12,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import hf_smollm2, save_random_hf_model
+from tests.engine.hf_oracle import SMOLLM2_MAX_TOKENS as MAX_TOKENS, hf_greedy
 
 pytestmark = pytest.mark.slow
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis to a child in two sentences.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-    "Give me a short recipe for pancakes, with quantities for four people and the steps in order.",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 times 7?",
-    "Summarise the plot of Romeo and Juliet in one paragraph, mentioning the families and the ending.",
-    "Name a mammal that can fly.",
-    "Why is the sky blue?",
-    "Suggest a name for a pet turtle.",
-    "What does a compiler do? Answer briefly.",
-    "Describe the water cycle, covering evaporation, condensation, precipitation and collection.",
-    "Hi!",
-    "What colour do you get when you mix blue and yellow?",
-]
-MAX_TOKENS = 20
-
-
-def hf_greedy(model, prompts: list[list[int]], max_tokens: int, eos: int | None) -> list[list[int]]:
-    """One prompt at a time: no padding, so HF's numbers are its cleanest."""
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            generated = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-                eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
-            )
-        outputs.append(generated[0, len(prompt):].tolist())
-    return outputs
-
-
-@pytest.fixture(scope="module")
-def smollm2_case(smollm2_folder):
-    import transformers
-
-    from engine.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_folder(smollm2_folder)
-    prompts = [
-        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-        for q in QUESTIONS
-    ]
-    hf = hf_smollm2()
-    expected = hf_greedy(hf, prompts, MAX_TOKENS, tokenizer.eos_token_id)
-    return str(smollm2_folder), prompts, expected
-
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def random_case(request, tmp_path_factory):

@@ -14,7 +14,8 @@ import torch
 from engine import LLM, SamplingParams
 from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.conftest import save_random_hf_model
-from tests.engine.test_hf_equivalence import TINY_POOL, hf_greedy
+from tests.engine.hf_oracle import hf_greedy
+from tests.engine.test_hf_equivalence import TINY_POOL
 
 pytestmark = pytest.mark.slow
 

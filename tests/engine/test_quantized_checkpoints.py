@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.quantization.w4a16 import Int4CheckpointTensor, dequantize_piece
-from tests.engine.hf_oracle import GREEDY, PROMPTS, _hf_generate, tiny_llama_folder  # noqa: F401  (a fixture)
+from tests.engine.hf_oracle import GREEDY, PROMPTS, hf_greedy, tiny_llama_folder  # noqa: F401  (a fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,7 +137,7 @@ def test_int4_checkpoint_matches_the_dequantized_model(method, group_size, act_o
     checkpoint, dequantized = make_int4_checkpoints(tiny_llama_folder, tmp_path, method, group_size, act_order)
     options = dict(dtype="float32", device="cpu", max_num_batched_tokens=64)  # chunked prefill
     reference = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
-    hf = _hf_generate(reference.eval(), PROMPTS, GREEDY.max_tokens)
+    hf = hf_greedy(reference.eval(), PROMPTS, GREEDY.max_tokens, eos=None)
     want = [o.token_ids for o in _generate(LLM(model=str(dequantized), **options))]
     quantized = LLM(model=str(checkpoint), **options)
     got = [o.token_ids for o in _generate(quantized)]

@@ -27,7 +27,8 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_cache_dtype
 from tests.conftest import save_random_hf_model
-from tests.engine.test_hf_equivalence import ENGINE_SETUPS, QUESTIONS, check_setup_exercised
+from tests.engine.hf_oracle import SMOLLM2_QUESTIONS as QUESTIONS
+from tests.engine.test_hf_equivalence import ENGINE_SETUPS, check_setup_exercised
 
 # Largest |log-prob difference| of the unquantized run's greedy token under the two caches (int8, measured: 0.235,
 # where the top two tokens are close; 174 of the 177 greedy choices agree).

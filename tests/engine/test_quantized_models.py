@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
 from engine.quantization.weight_only import dequantize_rows_reference, quantize_rows
-from tests.engine.hf_oracle import GREEDY, PROMPTS, _hf_generate, tiny_llama_folder  # noqa: F401  (a fixture)
+from tests.engine.hf_oracle import GREEDY, PROMPTS, hf_greedy, tiny_llama_folder  # noqa: F401  (a fixture)
 from tests.engine.test_gguf_import import _permute, _write_vocabulary
 
 transformers = pytest.importorskip("transformers")
@@ -96,7 +96,7 @@ def test_quantized_gguf_matches_transformers_in_float32(tmp_path):
     path = tmp_path / "mixed.gguf"
     write_quantized_gguf(path)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
-    expected = _hf_generate(reference.eval(), PROMPTS, GREEDY.max_tokens)
+    expected = hf_greedy(reference.eval(), PROMPTS, GREEDY.max_tokens, eos=None)
     llm = LLM(model=str(path), dtype="float32", device="cpu", max_num_batched_tokens=64)  # chunked prefill
     got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected

@@ -32,8 +32,7 @@ from engine.quantization.linear_method import building_quantized
 from engine.quantization.gguf import GGUFTensor
 from engine.tensor_parallel import RankFailure
 from tests.conftest import save_random_hf_model
-from tests.engine.test_hf_equivalence import MAX_TOKENS as HF_MAX_TOKENS
-from tests.engine.test_hf_equivalence import hf_greedy, smollm2_case  # noqa: F401 - a fixture used below
+from tests.engine.hf_oracle import SMOLLM2_MAX_TOKENS, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +109,7 @@ def test_tp3_smollm2_through_conveyor_run_matches_tp1_and_hf(smollm2_case, tmp_p
     source.write_text(
         "".join(
             json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions", "body": {
-                "model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": HF_MAX_TOKENS, "temperature": 0,
+                "model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": SMOLLM2_MAX_TOKENS, "temperature": 0,
             }}) + "\n"
             for i, prompt in enumerate(prompts)
         )

@@ -16,7 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.conftest import save_random_hf_model
-from tests.engine.test_hf_equivalence import hf_greedy
+from tests.engine.hf_oracle import hf_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not TRITON_AVAILABLE, reason="triton is not installed")]
 
