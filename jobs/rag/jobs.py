@@ -120,18 +120,14 @@ def job_model(options: RagOptions, served: list[ServedModel]) -> str | None:
     if readers:
         return readers[0]
     text_only = sorted(model.id for model in served if model.kind == "generation" and model.parent is None)
-    if not text_only:  # no worker has announced a model (all stopped, or starting): nothing is wrong with the job
-        raise ServiceError(
-            "unavailable",
-            "options.pdf_mode 'pages' needs a served model that reads images, and no worker has announced a model "
-            "yet; retry when one has started",
-            param="options.pdf_mode", code="model_unavailable",
-        )
+    serving = (
+        f"this deployment's models read text only ({', '.join(map(repr, text_only))})" if text_only
+        else "no worker has announced a model (none is running)"  # as for a batch, no wait for one to start
+    )
     raise ServiceError(
         "invalid_request",
-        f"options.pdf_mode 'pages' needs a model that reads images to transcribe the pages; this deployment's "
-        f"models read text only ({', '.join(map(repr, text_only))}): use pdf_mode 'text', or serve a "
-        f"vision-language model",
+        f"options.pdf_mode 'pages' needs a served model that reads images to transcribe the pages, and {serving}: "
+        f"use pdf_mode 'text', or serve a vision-language model",
         param="options.pdf_mode", code="model_not_multimodal",
     )
 

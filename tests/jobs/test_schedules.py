@@ -192,11 +192,15 @@ def test_a_fire_time_recorded_once_never_fires_again(
     now = datetime.now(UTC)
     due_at = now.replace(second=0, microsecond=0) - timedelta(minutes=5)
     schedule_id = _due_schedule(sessions, object_store, database_url, "0 3 * * *", due_at)
-    fired_now = fire_due_schedules(sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, now=now)
+    fired_now = fire_due_schedules(
+        sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, served_models=list, now=now
+    )
     (first,) = [fire for fire in fired_now if fire.schedule_id == schedule_id]
     with sessions.begin() as session:
         session.execute(update(Schedule).where(Schedule.id == schedule_id).values(next_fire_at=due_at))
-    again = fire_due_schedules(sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, now=now)
+    again = fire_due_schedules(
+        sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, served_models=list, now=now
+    )
     assert [fire for fire in again if fire.schedule_id == schedule_id] == []
     assert len(_batches_of(sessions, schedule_id)) == 1 and first.batch_id is not None
     with sessions() as session:
@@ -210,7 +214,9 @@ def test_a_schedule_found_a_day_late_fires_once_then_resumes_from_now(
     missed_since = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=24)
     schedule_id = _due_schedule(sessions, object_store, database_url, "0 * * * *", missed_since)
     for _ in range(3):  # later sweeps of the same moment find nothing more to do
-        fire_due_schedules(sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, now=now)
+        fire_due_schedules(
+            sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, served_models=list, now=now
+        )
     with sessions() as session:
         fired = session.scalars(select(ScheduleFire).where(ScheduleFire.schedule_id == schedule_id)).all()
         next_fire_at = session.scalar(select(Schedule.next_fire_at).where(Schedule.id == schedule_id))
@@ -226,7 +232,7 @@ def test_runs_are_listed_newest_first_a_page_at_a_time(
     schedule_id = _due_schedule(sessions, object_store, database_url, "* * * * *", start)
     for minute in range(3):  # sweeps a minute apart, each finding the next minute due
         fire_due_schedules(
-            sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL,
+            sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, served_models=list,
             now=start + timedelta(minutes=minute, seconds=5),
         )
     with sessions() as session:
@@ -290,7 +296,9 @@ def _sweep_at_once(
     def sweep() -> None:
         start.wait()
         results.append(
-            fire_due_schedules(sessions, object_store, enqueued.append, embedding_model=EMBEDDING_MODEL, now=now)
+            fire_due_schedules(
+                sessions, object_store, enqueued.append, embedding_model=EMBEDDING_MODEL, served_models=list, now=now
+            )
         )
 
     threads = [threading.Thread(target=sweep) for _ in range(sweeps)]
