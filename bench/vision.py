@@ -7,6 +7,9 @@ prompts.
 images resized to at most 224 x 224 px, up to 64 placeholder tokens each, 4 + 4 layers; `--shape tiny`: the tests'
 model, at most 112 x 140 px, up to 20 placeholders. `--family llava`: LLaVA-1.5's architecture (CLIP tower,
 projector, Llama); `small`: 112 px images, 64 placeholders, 4 + 4 layers; `tiny`: the tests' model, 16
+placeholders. `--family gemma3`: Gemma 3's (SigLIP tower, pooled projector, Gemma 3 decoder with sliding-window and
+global layers alternating, an image's placeholders attending to each other both ways); `small`: 224 px images,
+16 x 16 patches pooled to 64 placeholders, 4 + 4 layers, a 32-token window; `tiny`: the tests' model, 16
 placeholders. Each is built and saved by transformers at run time with seeded random weights
 (bench/vision_models.py). Every line is a user turn of random words from the tokenizer's vocabulary; every
 `--image-every`-th line carries one image of random size (PIL noise, 20-200 px a side), all different. Decoding is
@@ -25,6 +28,7 @@ off: `stats()`'s images_encoded and encoder_cache_hits (hit rate = hits / (hits 
 
     python -m bench.vision                                  # Qwen2.5-VL-like, small shape, float32, CPU
     python -m bench.vision --family llava --shape tiny --lines 4 --max-tokens 4 --repeats 1 --chunk-tokens 5
+    python -m bench.vision --family gemma3 --lines 8 --repeats 3
 
 `--device cuda` puts both sides on a GPU (not yet run on one). There is no real-shape option yet (Qwen2.5-VL-7B with
 dummy weights: a config-and-processor folder loaded with `load_format="dummy"` by conveyor, transformers' model
@@ -64,11 +68,11 @@ class Family:
     placeholders: Callable[[Any], str]  # image tokens per image, in words
 
 
-def _llava_processor(folder: Path) -> Any:
+def _auto_processor(folder: Path) -> Any:
     import transformers
 
     processor = transformers.AutoProcessor.from_pretrained(folder)
-    processor.tokenizer.pad_token = processor.tokenizer.pad_token or "<unk>"  # the word-level tokenizer has none
+    processor.tokenizer.pad_token = processor.tokenizer.pad_token or "<unk>"  # LLaVA's word-level tokenizer has none
     return processor
 
 
@@ -81,8 +85,13 @@ FAMILIES = {
     ),
     "llava": Family(
         "LLaVA-1.5", {"tiny": vision_models.TINY, "small": vision_models.SMALL}, vision_models.make_llava,
-        vision_models.WORDS, "LlavaForConditionalGeneration", _llava_processor,
+        vision_models.WORDS, "LlavaForConditionalGeneration", _auto_processor,
         lambda shape: f"{(shape.image_size // shape.patch) ** 2} image tokens per image",
+    ),
+    "gemma3": Family(
+        "Gemma 3", {"tiny": vision_models.GEMMA3_TINY, "small": vision_models.GEMMA3_SMALL}, vision_models.make_gemma3,
+        vision_models.GEMMA3_WORDS + vision_models.GEMMA3_NEWLINES, "Gemma3ForConditionalGeneration", _auto_processor,
+        lambda shape: f"{shape.image_tokens} image tokens per image",
     ),
 }
 
@@ -138,7 +147,9 @@ def run_hf(model: Any, processor: Any, batch: list[list[dict[str, Any]]], args: 
     for first in range(0, len(batch), args.hf_batch_size):
         part = batch[first : first + args.hf_batch_size]
         texts = [processor.apply_chat_template(c, add_generation_prompt=True) for c in part]
-        images = [picture for c in part for picture in images_of(c)] or None
+        # One list per line, as Gemma 3's processor needs to place each line's images (the others flatten them)
+        per_line = [images_of(c) for c in part]
+        images = per_line if any(per_line) else None
         inputs = processor(images=images, text=texts, padding=True, return_tensors="pt").to(args.device)
         with torch.inference_mode():
             output = model.generate(
