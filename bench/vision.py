@@ -24,7 +24,9 @@ the prefix cache is off in these runs); the table gives each side's median image
 batch's wall time) and output tok/s, and the median ratio of the rounds. "Identical to HF" counts the lines whose tokens
 equal HF's (float32 should give all; bfloat16 and HF's padding may not). The second table runs one batch again
 with prefill chunks of `--chunk-tokens` tokens, so most images span several steps, with the encoder cache on and
-off: `stats()`'s images_encoded and encoder_cache_hits (hit rate = hits / (hits + encodes)).
+off: `stats()`'s images_encoded and encoder_cache_hits (hit rate = hits / (hits + encodes)). Gemma 3 computes an
+image's placeholders in one step (they attend to each other both ways), so its chunks default to one image's
+placeholders: the text around an image is chunked, the image never is, and each image is encoded once either way.
 
     python -m bench.vision                                  # Qwen2.5-VL-like, small shape, float32, CPU
     python -m bench.vision --family llava --shape tiny --lines 4 --max-tokens 4 --repeats 1 --chunk-tokens 5
@@ -66,6 +68,9 @@ class Family:
     hf_class: str  # the transformers model class
     processor: Callable[[Path], Any]  # the folder's transformers processor
     placeholders: Callable[[Any], str]  # image tokens per image, in words
+    # The chunked runs' default max_num_batched_tokens: 16, or an image's placeholders where the model computes an
+    # image in one step (Gemma 3: they attend to each other both ways), since a smaller step could never hold it
+    chunk_tokens: Callable[[Any], int] = lambda shape: 16
 
 
 def _auto_processor(folder: Path) -> Any:
@@ -91,7 +96,7 @@ FAMILIES = {
     "gemma3": Family(
         "Gemma 3", {"tiny": vision_models.GEMMA3_TINY, "small": vision_models.GEMMA3_SMALL}, vision_models.make_gemma3,
         vision_models.GEMMA3_WORDS + vision_models.GEMMA3_NEWLINES, "Gemma3ForConditionalGeneration", _auto_processor,
-        lambda shape: f"{shape.image_tokens} image tokens per image",
+        lambda shape: f"{shape.image_tokens} image tokens per image", lambda shape: shape.image_tokens,
     ),
 }
 
@@ -185,7 +190,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-words", type=int, nargs=2, default=(8, 32), metavar=("MIN", "MAX"))
     parser.add_argument("--max-tokens", type=int, default=16, help="generated per line, exactly")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="lines per HF generate call")
-    parser.add_argument("--chunk-tokens", type=int, default=16, help="max_num_batched_tokens of the chunked runs")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=None,
+        help="max_num_batched_tokens of the chunked runs (default 16; gemma3: an image's placeholders, 64 or 16)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="rounds of conveyor then HF")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -227,10 +235,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"identical to HF: {identical}/{args.lines * args.repeats} lines", flush=True)
 
         batch = make_batch(args, args.seed)  # round 0's lines, whose HF tokens are known
+        chunk_tokens = args.chunk_tokens or family.chunk_tokens(shape)
         rows = []
         for label, cache_tokens in (("encoder cache on", None), ("encoder cache off", 0)):
             extra = {} if cache_tokens is None else {"encoder_cache_tokens": cache_tokens}
-            chunked = LLM(str(folder), max_num_batched_tokens=args.chunk_tokens, max_num_seqs=args.lines, **extra,
+            chunked = LLM(str(folder), max_num_batched_tokens=chunk_tokens, max_num_seqs=args.lines, **extra,
                           **options)
             result = run_conveyor(chunked, batch, args)
             stats = chunked.engine.stats()
@@ -240,7 +249,7 @@ def run(args: argparse.Namespace) -> None:
                 label, result.images, stats.images_encoded, stats.encoder_cache_hits,
                 f"{stats.encoder_cache_hits / lookups:.0%}" if lookups else "n/a", f"{same}/{args.lines}",
             ])
-        print(f"chunked prefill: max_num_batched_tokens={args.chunk_tokens}, {placeholders}")
+        print(f"chunked prefill: max_num_batched_tokens={chunk_tokens}, {placeholders}")
         print(markdown_table(
             ["run", "images", "encoder runs", "encoder cache hits", "hit rate", "identical to HF"], rows
         ))
