@@ -31,9 +31,7 @@ def create_rag_job(
     spec = body.spec()
     registry: ModelRegistry = request.app.state.models
     # Prepared before the transaction: no pooled connection waits on S3 or Redis.
-    prepared = rag_jobs.prepare_rag_job(
-        store, settings.s3, project_id, spec, settings.embedding_model, registry.served()
-    )
+    prepared = rag_jobs.prepare_rag_job(store, settings.s3, project_id, spec, settings.embedding_model, registry.served)
     with sessions.begin() as session:
         job = rag_jobs.add_rag_job(session, project_id, spec, prepared, settings.completion_window_seconds)
     start_validation(sessions, job.id)

@@ -17,6 +17,7 @@ its pages. Other jobs are bound to no model: any worker takes their chunks.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,12 +111,14 @@ def check_rag_job(spec: RagJobSpec, service_embedding_model: str) -> RagOptions:
     return options
 
 
-def job_model(options: RagOptions, served: list[ServedModel]) -> str | None:
-    """The served model a job must run on, from the deployment's models (`ModelRegistry.served`); None when any
-    worker's will do. Pages need a model that reads images: the first such by id when several are served, so that
-    every job of a deployment reads its pages with the same model (and its transcription cache is shared)."""
+def job_model(options: RagOptions, served_models: Callable[[], list[ServedModel]]) -> str | None:
+    """The served model a job must run on, from the deployment's models (`ModelRegistry.served`, read only for a job
+    that needs one: creating the others does not wait on Redis); None when any worker's will do. Pages need a model
+    that reads images: the first such by id when several are served, so that every job of a deployment reads its
+    pages with the same model (and its transcription cache is shared)."""
     if options.pdf_mode != "pages":
         return None
+    served = served_models()
     readers = image_models(served)
     if readers:
         return readers[0]
@@ -157,12 +160,12 @@ def prepare_rag_job(
     project_id: str,
     spec: RagJobSpec,
     service_embedding_model: str,
-    served: list[ServedModel],
+    served_models: Callable[[], list[ServedModel]],
 ) -> PreparedRagJob:
-    """Everything before the job's rows: its checks, its model (`served`: the deployment's models), its id and, for
-    an input prefix, the listing written to S3."""
+    """Everything before the job's rows: its checks, its model (`served_models`: the deployment's, `job_model`), its
+    id and, for an input prefix, the listing written to S3."""
     options = check_rag_job(spec, service_embedding_model)
-    model = job_model(options, served)
+    model = job_model(options, served_models)
     job_id = new_job_id()
     listing = None if spec.input_prefix is None else list_prefix(store, s3, project_id, job_id, spec.input_prefix)
     return PreparedRagJob(job_id=job_id, options=options, listing=listing, model=model)

@@ -79,8 +79,8 @@ def fire_due_schedules(
 ) -> list[Fire]:
     """Fire every unpaused schedule due at `now`, each in its own transaction; return what this call fired.
     embedding_model: the service's (Settings.embedding_model), which RAG templates are checked against again.
-    served_models: the deployment's models now (`ModelRegistry.served`), read when a RAG job is made: one reading
-    pages is bound to a model that reads images, as POST /v1/rag/jobs binds it, or its fire records why none can.
+    served_models: the deployment's models now (`ModelRegistry.served`), read when a RAG job reading pages is made:
+    it is bound to a model that reads images, as POST /v1/rag/jobs binds it, or its fire records why none can.
     window_seconds: the batches' deadline, as `create_batch` takes it (Settings.completion_window_seconds)."""
     now = now or utcnow()
     with sessions() as session:
@@ -137,9 +137,7 @@ def _fire(
         try:
             with session.begin_nested():
                 if schedule.endpoint == RAG_ENDPOINT:
-                    created = _create_rag_job(
-                        session, store, schedule, embedding_model, served_models(), window_seconds
-                    )
+                    created = _create_rag_job(session, store, schedule, embedding_model, served_models, window_seconds)
                 else:
                     created = _create_batch(session, store, schedule, fire_time, window_seconds)
                 created.webhook_endpoint_id = schedule.webhook_endpoint_id
@@ -182,13 +180,13 @@ def _create_rag_job(
     store: ObjectStore,
     schedule: Schedule,
     embedding_model: str,
-    served: list[ServedModel],
+    served_models: Callable[[], list[ServedModel]],
     window_seconds: float | None,
 ) -> Batch:
     """The RAG job POST /v1/rag/jobs would create from the template, checked again: the service's embedding model
     and the models served may have changed since the schedule was created."""
     spec = rag_job_spec(schedule)
-    prepared = prepare_rag_job(store, store.settings, schedule.project_id, spec, embedding_model, served)
+    prepared = prepare_rag_job(store, store.settings, schedule.project_id, spec, embedding_model, served_models)
     return add_rag_job(session, schedule.project_id, spec, prepared, window_seconds)
 
 
