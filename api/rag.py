@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 
 from api.auth import ProjectDep
 from api.batches import cancel_job
@@ -14,17 +14,24 @@ from api.schemas import CreateRagJob, ListPage, RagJobObject, answer
 from jobs import batches
 from jobs.pagination import MAX_PAGE_SIZE
 from jobs.rag import jobs as rag_jobs
+from jobs.served_models import ModelRegistry
 
 router = APIRouter(prefix="/v1/rag/jobs", tags=["rag"])
 
 
 @router.post("", response_model=RagJobObject)
 def create_rag_job(
-    body: CreateRagJob, sessions: WriteSessionsDep, store: StoreDep, settings: SettingsDep, project_id: ProjectDep
+    body: CreateRagJob,
+    request: Request,
+    sessions: WriteSessionsDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    project_id: ProjectDep,
 ) -> RagJobObject:
     spec = body.spec()
-    # Prepared before the transaction: no pooled connection waits on S3.
-    prepared = rag_jobs.prepare_rag_job(store, settings.s3, project_id, spec, settings.embedding_model)
+    registry: ModelRegistry = request.app.state.models
+    # Prepared before the transaction: no pooled connection waits on S3 or Redis.
+    prepared = rag_jobs.prepare_rag_job(store, settings.s3, project_id, spec, settings.embedding_model, registry.served)
     with sessions.begin() as session:
         job = rag_jobs.add_rag_job(session, project_id, spec, prepared, settings.completion_window_seconds)
     start_validation(sessions, job.id)

@@ -224,7 +224,8 @@ class RagJobOptions(BaseModel):
     pdf_mode: Literal["text", "pages"] | None = Field(
         default=None,
         description="PDFs read by their text layer ('text', the default) or as pages transcribed to Markdown by the "
-        "worker's vision-language model ('pages'; a worker whose model reads no images fails the job)",
+        "deployment's vision-language model ('pages': the job is bound to a served model that reads images, shown as "
+        "its `model`; a deployment serving none refuses it with model_not_multimodal)",
     )
     page_dpi: int | None = Field(default=None, description="resolution pages are rendered at, 36 to 300 (144)")
     page_max_tokens: int | None = Field(default=None, description="generated tokens per page's transcription (1024)")
@@ -262,6 +263,9 @@ class RagJobObject(JobLifecycle):
     options: dict[str, Any]
     input_prefix: str | None
     manifest_file_id: str | None  # JSON: options, counts, models, files
+    # The served model its chunks run on: pdf_mode "pages" binds the job at creation to one that reads images; None:
+    # any worker's (contexts, if any, are written by the model of the worker that takes each chunk)
+    model: str | None = None
 
     @classmethod
     def of(cls, row: Batch) -> "RagJobObject":
@@ -270,6 +274,7 @@ class RagJobObject(JobLifecycle):
             options=row.rag_options or {},
             input_prefix=row.input_prefix,
             manifest_file_id=manifest_file_id(row.id) if has_manifest(row) else None,
+            model=row.model,
         )
 
 

@@ -7,6 +7,9 @@ prompts.
 images resized to at most 224 x 224 px, up to 64 placeholder tokens each, 4 + 4 layers; `--shape tiny`: the tests'
 model, at most 112 x 140 px, up to 20 placeholders. `--family llava`: LLaVA-1.5's architecture (CLIP tower,
 projector, Llama); `small`: 112 px images, 64 placeholders, 4 + 4 layers; `tiny`: the tests' model, 16
+placeholders. `--family gemma3`: Gemma 3's (SigLIP tower, pooled projector, Gemma 3 decoder with sliding-window and
+global layers alternating, an image's placeholders attending to each other both ways); `small`: 224 px images,
+16 x 16 patches pooled to 64 placeholders, 4 + 4 layers, a 32-token window; `tiny`: the tests' model, 16
 placeholders. Each is built and saved by transformers at run time with seeded random weights
 (bench/vision_models.py). Every line is a user turn of random words from the tokenizer's vocabulary; every
 `--image-every`-th line carries one image of random size (PIL noise, 20-200 px a side), all different. Decoding is
@@ -21,10 +24,13 @@ the prefix cache is off in these runs); the table gives each side's median image
 batch's wall time) and output tok/s, and the median ratio of the rounds. "Identical to HF" counts the lines whose tokens
 equal HF's (float32 should give all; bfloat16 and HF's padding may not). The second table runs one batch again
 with prefill chunks of `--chunk-tokens` tokens, so most images span several steps, with the encoder cache on and
-off: `stats()`'s images_encoded and encoder_cache_hits (hit rate = hits / (hits + encodes)).
+off: `stats()`'s images_encoded and encoder_cache_hits (hit rate = hits / (hits + encodes)). Gemma 3 computes an
+image's placeholders in one step (they attend to each other both ways), so its chunks default to one image's
+placeholders: the text around an image is chunked, the image never is, and each image is encoded once either way.
 
     python -m bench.vision                                  # Qwen2.5-VL-like, small shape, float32, CPU
     python -m bench.vision --family llava --shape tiny --lines 4 --max-tokens 4 --repeats 1 --chunk-tokens 5
+    python -m bench.vision --family gemma3 --lines 8 --repeats 3
 
 `--device cuda` puts both sides on a GPU (not yet run on one). There is no real-shape option yet (Qwen2.5-VL-7B with
 dummy weights: a config-and-processor folder loaded with `load_format="dummy"` by conveyor, transformers' model
@@ -62,13 +68,16 @@ class Family:
     hf_class: str  # the transformers model class
     processor: Callable[[Path], Any]  # the folder's transformers processor
     placeholders: Callable[[Any], str]  # image tokens per image, in words
+    # The chunked runs' default max_num_batched_tokens: 16, or an image's placeholders where the model computes an
+    # image in one step (Gemma 3: they attend to each other both ways), since a smaller step could never hold it
+    chunk_tokens: Callable[[Any], int] = lambda shape: 16
 
 
-def _llava_processor(folder: Path) -> Any:
+def _auto_processor(folder: Path) -> Any:
     import transformers
 
     processor = transformers.AutoProcessor.from_pretrained(folder)
-    processor.tokenizer.pad_token = processor.tokenizer.pad_token or "<unk>"  # the word-level tokenizer has none
+    processor.tokenizer.pad_token = processor.tokenizer.pad_token or "<unk>"  # LLaVA's word-level tokenizer has none
     return processor
 
 
@@ -81,8 +90,13 @@ FAMILIES = {
     ),
     "llava": Family(
         "LLaVA-1.5", {"tiny": vision_models.TINY, "small": vision_models.SMALL}, vision_models.make_llava,
-        vision_models.WORDS, "LlavaForConditionalGeneration", _llava_processor,
+        vision_models.WORDS, "LlavaForConditionalGeneration", _auto_processor,
         lambda shape: f"{(shape.image_size // shape.patch) ** 2} image tokens per image",
+    ),
+    "gemma3": Family(
+        "Gemma 3", {"tiny": vision_models.GEMMA3_TINY, "small": vision_models.GEMMA3_SMALL}, vision_models.make_gemma3,
+        vision_models.GEMMA3_WORDS + vision_models.GEMMA3_NEWLINES, "Gemma3ForConditionalGeneration", _auto_processor,
+        lambda shape: f"{shape.image_tokens} image tokens per image", lambda shape: shape.image_tokens,
     ),
 }
 
@@ -138,7 +152,9 @@ def run_hf(model: Any, processor: Any, batch: list[list[dict[str, Any]]], args: 
     for first in range(0, len(batch), args.hf_batch_size):
         part = batch[first : first + args.hf_batch_size]
         texts = [processor.apply_chat_template(c, add_generation_prompt=True) for c in part]
-        images = [picture for c in part for picture in images_of(c)] or None
+        # One list per line, as Gemma 3's processor needs to place each line's images (the others flatten them)
+        per_line = [images_of(c) for c in part]
+        images = per_line if any(per_line) else None
         inputs = processor(images=images, text=texts, padding=True, return_tensors="pt").to(args.device)
         with torch.inference_mode():
             output = model.generate(
@@ -174,7 +190,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-words", type=int, nargs=2, default=(8, 32), metavar=("MIN", "MAX"))
     parser.add_argument("--max-tokens", type=int, default=16, help="generated per line, exactly")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="lines per HF generate call")
-    parser.add_argument("--chunk-tokens", type=int, default=16, help="max_num_batched_tokens of the chunked runs")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=None,
+        help="max_num_batched_tokens of the chunked runs (default 16; gemma3: an image's placeholders, 64 or 16)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="rounds of conveyor then HF")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -216,10 +235,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"identical to HF: {identical}/{args.lines * args.repeats} lines", flush=True)
 
         batch = make_batch(args, args.seed)  # round 0's lines, whose HF tokens are known
+        chunk_tokens = args.chunk_tokens or family.chunk_tokens(shape)
         rows = []
         for label, cache_tokens in (("encoder cache on", None), ("encoder cache off", 0)):
             extra = {} if cache_tokens is None else {"encoder_cache_tokens": cache_tokens}
-            chunked = LLM(str(folder), max_num_batched_tokens=args.chunk_tokens, max_num_seqs=args.lines, **extra,
+            chunked = LLM(str(folder), max_num_batched_tokens=chunk_tokens, max_num_seqs=args.lines, **extra,
                           **options)
             result = run_conveyor(chunked, batch, args)
             stats = chunked.engine.stats()
@@ -229,7 +249,7 @@ def run(args: argparse.Namespace) -> None:
                 label, result.images, stats.images_encoded, stats.encoder_cache_hits,
                 f"{stats.encoder_cache_hits / lookups:.0%}" if lookups else "n/a", f"{same}/{args.lines}",
             ])
-        print(f"chunked prefill: max_num_batched_tokens={args.chunk_tokens}, {placeholders}")
+        print(f"chunked prefill: max_num_batched_tokens={chunk_tokens}, {placeholders}")
         print(markdown_table(
             ["run", "images", "encoder runs", "encoder cache hits", "hit rate", "identical to HF"], rows
         ))

@@ -3,7 +3,7 @@ tokenizer holding the family's image tokens and a chat template like the Hub's),
 (a CLIP tower, a Llama; `make_llava`), Qwen2.5-VL (a windowed ViT, a Qwen2 decoder with M-RoPE; `make_qwen2_5_vl`)
 and Gemma 3 (a SigLIP tower, a Gemma 3 decoder; `make_gemma3`). The engine's vision tests and the request side's
 (`conveyor run`, the service) build each TINY shape once per session (`llava_folder`, `qwen2_5_vl_folder`,
-`gemma3_folder` in tests/conftest.py); `bench/vision.py` builds TINY or SMALL at run time. Weights are seeded, so
+`gemma3_folder` in tests/conftest.py); `bench/vision.py` builds each family's TINY or SMALL at run time. Weights are seeded, so
 every build of a shape is the same model."""
 
 from __future__ import annotations
@@ -230,13 +230,20 @@ class Gemma3Shape:
     vision_hidden: int
     vision_layers: int
     text_hidden: int
+    text_layers: int  # an even number: sliding-window and global layers alternate, a sliding one first
     heads: int  # attention heads of both towers; the text tower has half as many KV heads
-    sliding_window: int  # of the first text layer (sliding); the second attends globally
+    sliding_window: int  # tokens a sliding-window layer attends back
 
 
 GEMMA3_TINY = Gemma3Shape(
-    image_size=56, patch=7, image_tokens=16, vision_hidden=32, vision_layers=2, text_hidden=64, heads=4,
-    sliding_window=8,
+    image_size=56, patch=7, image_tokens=16, vision_hidden=32, vision_layers=2, text_hidden=64, text_layers=2,
+    heads=4, sliding_window=8,
+)
+# As the other families' SMALL: 64 placeholders per image (16 x 16 patches pooled 2 x 2), 4 + 4 layers; the window
+# shorter than an image line's prompt, so the sliding layers cut into it.
+GEMMA3_SMALL = Gemma3Shape(
+    image_size=224, patch=14, image_tokens=64, vision_hidden=128, vision_layers=4, text_hidden=256, text_layers=4,
+    heads=8, sliding_window=32,
 )
 
 
@@ -272,9 +279,10 @@ def make_gemma3(folder: Path, shape: Gemma3Shape = GEMMA3_TINY) -> Path:
         ),
         text_config=transformers.Gemma3TextConfig(
             vocab_size=512, hidden_size=shape.text_hidden, intermediate_size=2 * shape.text_hidden,
-            num_hidden_layers=2, num_attention_heads=shape.heads, num_key_value_heads=shape.heads // 2,
+            num_hidden_layers=shape.text_layers, num_attention_heads=shape.heads, num_key_value_heads=shape.heads // 2,
             head_dim=shape.text_hidden // shape.heads, max_position_embeddings=512, sliding_window=shape.sliding_window,
-            layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=shape.text_hidden // shape.heads,
+            layer_types=["sliding_attention", "full_attention"] * (shape.text_layers // 2),
+            query_pre_attn_scalar=shape.text_hidden // shape.heads,
             bos_token_id=2, eos_token_id=1, pad_token_id=0,
             # wider than the default: attention that singles out tokens, so that the image mask (an image's tokens
             # see each other) moves the greedy tokens

@@ -113,7 +113,8 @@ class Batch(Base):
     input_prefix: Mapped[str | None] = mapped_column(String(1024))
     status: Mapped[BatchStatus] = mapped_column(Enum(BatchStatus, name="batch_status"), default=BatchStatus.validating)
     # The served model's id its lines resolve to (`jobs.served_models`), set by validate from the first line; the name
-    # as written when nobody serves it. None for jobs bound to no model (RAG) and before validate.
+    # as written when nobody serves it. A RAG job reading pages gets the model that reads them at creation
+    # (`jobs.rag.jobs.job_model`). None for jobs bound to no model (other RAG jobs) and before validate.
     model: Mapped[str | None] = mapped_column(String(256))
     # Token usage of the lines answered so far, moved with the counts (`jobs.run.ledger.finish_chunk`).
     input_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 ModelKind = Literal["generation", "embedding"]
 OWNED_BY = "conveyor"  # OpenAI's `owned_by`: who provides the model, here the deployment itself
-UNROUTED_QUEUE = "gpu"  # chunks of jobs bound to no named model (RAG jobs): any worker takes them
+UNROUTED_QUEUE = "gpu"  # chunks of jobs bound to no named model (RAG jobs without pages): any worker takes them
 
 
 def model_queue(model_id: str) -> str:
@@ -91,7 +91,7 @@ class ServedModel:
     # How it runs, for /v1/models' `metadata`: {"quantization": {"method", "bits", "group_size", ...}} when quantized
     metadata: dict[str, Any] = field(default_factory=dict)
     # Whether its lines may hold images (/v1/models' `input_modalities`); an image line for a model that does not fails
-    # with `model_not_multimodal`. The engine's model says (`process_models`); every model served today reads text only.
+    # with `model_not_multimodal`. The engine's model says (`process_models`).
     accepts_images: bool = False
 
 
@@ -120,6 +120,13 @@ class ModelNames:
     def adapter(self, model_id: str) -> str | None:
         """The LoRA adapter (the engine's name for it) a served id runs; None for a base model."""
         return model_id if model_id in self._parents else None
+
+
+def image_models(served: list[ServedModel]) -> list[str]:
+    """The ids of the served base generation models that read images, in id order: what may read a RAG job's pages."""
+    return sorted(
+        model.id for model in served if model.kind == "generation" and model.parent is None and model.accepts_images
+    )
 
 
 def listed_names(served: list[ServedModel], aliases: dict[str, str]) -> dict[str, ServedModel]:

@@ -121,6 +121,7 @@ def register_tasks(app: Celery, pipeline: Pipeline) -> None:
             pipeline.store,
             enqueue.validate,
             embedding_model=settings.embedding_model,
+            served_models=pipeline.models.registry.served,
             window_seconds=settings.completion_window_seconds,
         )
 

@@ -7,11 +7,17 @@ Its input is a JSONL file of document lines (`{"id", "text" | "uri", "metadata"}
 of the project's inbox. A prefix is listed once, when the job is created, into a JSONL input file of `{"id": key
 relative to the prefix, "uri": "s3://..."}` lines: from then on both kinds are the same job, and the documents are
 the objects that were there at creation, whatever lands under the prefix later.
+
+A job that reads PDFs as pages (`pdf_mode` "pages") is bound at creation to a served model that reads images
+(`job_model`): its `model`, whose workers alone validate it and take its chunks (the queue `gpu.<model id>`, as a
+batch's). A deployment serving none refuses the job then (`model_not_multimodal`), instead of accepting it and failing
+its pages. Other jobs are bound to no model: any worker takes their chunks.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +37,7 @@ from jobs.files import derived_file_id, record_file
 from jobs.models import TERMINAL_BATCH_STATUSES, Batch, BatchStatus, FilePurpose, new_id
 from jobs.object_keys import file_key, inbox_key
 from jobs.rag.processing import RagOptions
+from jobs.served_models import ServedModel, image_models
 from jobs.settings import S3Settings
 from jobs.storage import ObjectStore
 
@@ -66,6 +73,7 @@ class PreparedRagJob:
     job_id: str
     options: RagOptions
     listing: PrefixListing | None
+    model: str | None  # the served model the job is bound to (`job_model`)
 
 
 def new_job_id() -> str:
@@ -103,6 +111,30 @@ def check_rag_job(spec: RagJobSpec, service_embedding_model: str) -> RagOptions:
     return options
 
 
+def job_model(options: RagOptions, served_models: Callable[[], list[ServedModel]]) -> str | None:
+    """The served model a job must run on, from the deployment's models (`ModelRegistry.served`, read only for a job
+    that needs one: creating the others does not wait on Redis); None when any worker's will do. Pages need a model
+    that reads images: the first such by id when several are served, so that every job of a deployment reads its
+    pages with the same model (and its transcription cache is shared)."""
+    if options.pdf_mode != "pages":
+        return None
+    served = served_models()
+    readers = image_models(served)
+    if readers:
+        return readers[0]
+    text_only = sorted(model.id for model in served if model.kind == "generation" and model.parent is None)
+    serving = (
+        f"this deployment's models read text only ({', '.join(map(repr, text_only))})" if text_only
+        else "no worker has announced a model (none is running)"  # as for a batch, no wait for one to start
+    )
+    raise ServiceError(
+        "invalid_request",
+        f"options.pdf_mode 'pages' needs a served model that reads images to transcribe the pages, and {serving}: "
+        f"use pdf_mode 'text', or serve a vision-language model",
+        param="options.pdf_mode", code="model_not_multimodal",
+    )
+
+
 def list_prefix(store: ObjectStore, s3: S3Settings, project_id: str, job_id: str, input_prefix: str) -> PrefixListing:
     """Write the objects under the project's inbox prefix, in key order, as the job's input lines."""
     prefix_key = inbox_key(project_id, input_prefix)
@@ -123,13 +155,20 @@ def list_prefix(store: ObjectStore, s3: S3Settings, project_id: str, job_id: str
 
 
 def prepare_rag_job(
-    store: ObjectStore, s3: S3Settings, project_id: str, spec: RagJobSpec, service_embedding_model: str
+    store: ObjectStore,
+    s3: S3Settings,
+    project_id: str,
+    spec: RagJobSpec,
+    service_embedding_model: str,
+    served_models: Callable[[], list[ServedModel]],
 ) -> PreparedRagJob:
-    """Everything before the job's rows: its checks, its id and, for an input prefix, the listing written to S3."""
+    """Everything before the job's rows: its checks, its model (`served_models`: the deployment's, `job_model`), its
+    id and, for an input prefix, the listing written to S3."""
     options = check_rag_job(spec, service_embedding_model)
+    model = job_model(options, served_models)
     job_id = new_job_id()
     listing = None if spec.input_prefix is None else list_prefix(store, s3, project_id, job_id, spec.input_prefix)
-    return PreparedRagJob(job_id=job_id, options=options, listing=listing)
+    return PreparedRagJob(job_id=job_id, options=options, listing=listing, model=model)
 
 
 def add_rag_job(
@@ -160,6 +199,7 @@ def add_rag_job(
             input_file_id=input_file_id,
             input_prefix=spec.input_prefix,
             endpoint=RAG_ENDPOINT,
+            model=prepared.model,
             rag_options=prepared.options.to_json(),
             completion_window=spec.completion_window,
             priority=spec.priority,

@@ -178,6 +178,10 @@ class RagKind:
         self._splitter_lock = threading.Lock()
 
     def input_lines(self, batch: Batch) -> DocumentLines:
+        # A job reading pages is bound at creation to a served model that reads images (`jobs.rag.jobs.job_model`),
+        # and validated by a worker serving it: this refuses it only where that model's engine reads no images after
+        # all (one id announced by workers of different models), or for a job bound to no model (created before jobs
+        # were bound), before any page fails.
         refused = None
         if batch.rag_options is not None and batch.rag_options.get("pdf_mode") == "pages" and not self._reads_images:
             refused = (

@@ -91,13 +91,14 @@ class Pipeline:
         if batch.status not in ledger.STARTABLE:
             return
         model_kind = MODEL_KINDS.get(batch.endpoint)
-        if model_kind is not None:
-            if batch.model is None:
-                batch.model = self.models.batch_model(self._first_line_model(batch), model_kind)
-                ledger.set_batch_model(self.sessions, batch_id, batch.model)
-            if self.models.served_elsewhere(batch.model):  # its lines are read with that model's tokenizer
-                self.enqueue_validate(batch_id, batch.model)
-                return
+        if model_kind is not None and batch.model is None:  # a batch's model is the one its first line names
+            batch.model = self.models.batch_model(self._first_line_model(batch), model_kind)
+            ledger.set_batch_model(self.sessions, batch_id, batch.model)
+        # A job bound to a model (a batch; a RAG job reading pages, bound at creation) is validated where that model
+        # runs: a batch's lines are read with its tokenizer, and its kind checks the job against that engine.
+        if batch.model is not None and self.models.served_elsewhere(batch.model):
+            self.enqueue_validate(batch_id, batch.model)
+            return
 
         lines = self.kinds[batch.endpoint].input_lines(batch)
         tally = ValidationTally()

@@ -31,6 +31,7 @@ from jobs.files import derived_file_id, record_file
 from jobs.models import Batch, File, FilePurpose, Schedule, ScheduleFire, utcnow
 from jobs.object_keys import NEWLINE_KEY, file_key, inbox_key
 from jobs.rag.jobs import add_rag_job, prepare_rag_job
+from jobs.served_models import ServedModel
 from jobs.storage import ObjectNotFound, ObjectStore
 from jobs.schedules.cron import next_fire_time
 from jobs.schedules.definitions import rag_job_spec
@@ -72,11 +73,14 @@ def fire_due_schedules(
     enqueue_validate: Callable[[str], None],
     *,
     embedding_model: str,
+    served_models: Callable[[], list[ServedModel]],
     window_seconds: float | None = None,
     now: datetime | None = None,
 ) -> list[Fire]:
     """Fire every unpaused schedule due at `now`, each in its own transaction; return what this call fired.
     embedding_model: the service's (Settings.embedding_model), which RAG templates are checked against again.
+    served_models: the deployment's models now (`ModelRegistry.served`), read when a RAG job reading pages is made:
+    it is bound to a model that reads images, as POST /v1/rag/jobs binds it, or its fire records why none can.
     window_seconds: the batches' deadline, as `create_batch` takes it (Settings.completion_window_seconds)."""
     now = now or utcnow()
     with sessions() as session:
@@ -88,7 +92,7 @@ def fire_due_schedules(
     fires: list[Fire] = []
     for schedule_id in due:
         try:
-            fire = _fire(sessions, store, schedule_id, now, embedding_model, window_seconds)
+            fire = _fire(sessions, store, schedule_id, now, embedding_model, served_models, window_seconds)
         except Exception:  # one schedule's trouble (S3 down, say) must not hold back the others
             log.exception("schedule %s: firing failed; it stays due and the next sweep tries again", schedule_id)
             continue
@@ -106,6 +110,7 @@ def _fire(
     schedule_id: str,
     now: datetime,
     embedding_model: str,
+    served_models: Callable[[], list[ServedModel]],
     window_seconds: float | None,
 ) -> Fire | None:
     """Fire one schedule if it is still due and no other sweep holds or has fired it; None otherwise."""
@@ -132,7 +137,7 @@ def _fire(
         try:
             with session.begin_nested():
                 if schedule.endpoint == RAG_ENDPOINT:
-                    created = _create_rag_job(session, store, schedule, embedding_model, window_seconds)
+                    created = _create_rag_job(session, store, schedule, embedding_model, served_models, window_seconds)
                 else:
                     created = _create_batch(session, store, schedule, fire_time, window_seconds)
                 created.webhook_endpoint_id = schedule.webhook_endpoint_id
@@ -171,12 +176,17 @@ def _create_batch(
 
 
 def _create_rag_job(
-    session: Session, store: ObjectStore, schedule: Schedule, embedding_model: str, window_seconds: float | None
+    session: Session,
+    store: ObjectStore,
+    schedule: Schedule,
+    embedding_model: str,
+    served_models: Callable[[], list[ServedModel]],
+    window_seconds: float | None,
 ) -> Batch:
     """The RAG job POST /v1/rag/jobs would create from the template, checked again: the service's embedding model
-    may have changed since the schedule was created."""
+    and the models served may have changed since the schedule was created."""
     spec = rag_job_spec(schedule)
-    prepared = prepare_rag_job(store, store.settings, schedule.project_id, spec, embedding_model)
+    prepared = prepare_rag_job(store, store.settings, schedule.project_id, spec, embedding_model, served_models)
     return add_rag_job(session, schedule.project_id, spec, prepared, window_seconds)
 
 

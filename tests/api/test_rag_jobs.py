@@ -241,8 +241,14 @@ def test_rag_job_requests_are_checked_and_a_job_can_be_cancelled(stack: Stack) -
     for body, param in refused:
         response = tenant.http.post("/rag/jobs", json=body)
         assert (response.status_code, response.json()["error"]["param"]) == (400, param), (body, response.text)
+    # The shared worker's SmolLM2 reads no images: a job reading PDFs as pages is refused now, not failed page by page
+    response = tenant.http.post("/rag/jobs", json={"input_file_id": upload.id, "options": {"pdf_mode": "pages"}})
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (400, "model_not_multimodal", "options.pdf_mode")
+    assert "read text only (" in error["message"] and "'smollm2-135m-instruct'" in error["message"]
 
     job = tenant.create_job(input_file_id=upload.id)
+    assert job["model"] is None  # reading text: any worker's
     cancelling = tenant.http.post(f"/rag/jobs/{job['id']}/cancel").json()
     assert cancelling["status"] in ("cancelling", "cancelled")
     cancelled = tenant.finished_job(job["id"])

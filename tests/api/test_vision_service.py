@@ -1,7 +1,7 @@
 """Images through the service: a worker whose model is a vision-language model (a tiny LLaVA-1.5 folder as
 CONVEYOR_MODEL) answers a batch file mixing image and text lines through the openai SDK, `/v1/models` says it takes
 images, and a corrupt image fails its own line only; a RAG job reads a PDF of its inbox as pages that model
-transcribes."""
+transcribes (the job bound to it at creation, its chunks on its queue)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,10 @@ def test_a_vision_worker_answers_image_lines(private_stack_settings: Settings, l
         tenant = Tenant(stack, "vision-rag")
         ObjectStore(settings.s3).put_bytes(inbox_key(tenant.id, "scans/form.pdf"), pdf_of([page(1, 120, 160), page(2, 120, 160)]))
         options = {"pdf_mode": "pages", "page_dpi": 36, "page_max_tokens": 8, "chunk_tokens": 16, "overlap_tokens": 0}
-        job = tenant.finished_job(tenant.create_job(input_prefix="scans/", options=options)["id"])
+        created = tenant.create_job(input_prefix="scans/", options=options)
+        [vision_model] = [name for name, reads in modalities.items() if "image" in reads]
+        assert created["model"] == vision_model  # bound at creation to the served model that reads images
+        job = tenant.finished_job(created["id"])
         assert job["status"] == "completed" and job["request_counts"] == {"total": 1, "completed": 1, "failed": 0}, job
         manifest = tenant.manifest(job)
         assert (manifest["counts"]["pages_transcribed"], manifest["counts"]["pages_failed"]) == (2, 0)

@@ -24,6 +24,7 @@ from jobs.rag.processing import RagOptions
 from jobs.schedules.cron import next_fire_time, normalized_cron
 from jobs.schedules.definitions import ScheduleSpec, create_schedule, list_runs, run_id
 from jobs.schedules.firing import Fire, fire_due_schedules
+from jobs.served_models import process_models
 from jobs.storage import ObjectStore
 
 UTC = timezone.utc
@@ -192,11 +193,15 @@ def test_a_fire_time_recorded_once_never_fires_again(
     now = datetime.now(UTC)
     due_at = now.replace(second=0, microsecond=0) - timedelta(minutes=5)
     schedule_id = _due_schedule(sessions, object_store, database_url, "0 3 * * *", due_at)
-    fired_now = fire_due_schedules(sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, now=now)
+    fired_now = fire_due_schedules(
+        sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, served_models=list, now=now
+    )
     (first,) = [fire for fire in fired_now if fire.schedule_id == schedule_id]
     with sessions.begin() as session:
         session.execute(update(Schedule).where(Schedule.id == schedule_id).values(next_fire_at=due_at))
-    again = fire_due_schedules(sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, now=now)
+    again = fire_due_schedules(
+        sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, served_models=list, now=now
+    )
     assert [fire for fire in again if fire.schedule_id == schedule_id] == []
     assert len(_batches_of(sessions, schedule_id)) == 1 and first.batch_id is not None
     with sessions() as session:
@@ -210,7 +215,9 @@ def test_a_schedule_found_a_day_late_fires_once_then_resumes_from_now(
     missed_since = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=24)
     schedule_id = _due_schedule(sessions, object_store, database_url, "0 * * * *", missed_since)
     for _ in range(3):  # later sweeps of the same moment find nothing more to do
-        fire_due_schedules(sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, now=now)
+        fire_due_schedules(
+            sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, served_models=list, now=now
+        )
     with sessions() as session:
         fired = session.scalars(select(ScheduleFire).where(ScheduleFire.schedule_id == schedule_id)).all()
         next_fire_at = session.scalar(select(Schedule.next_fire_at).where(Schedule.id == schedule_id))
@@ -226,7 +233,7 @@ def test_runs_are_listed_newest_first_a_page_at_a_time(
     schedule_id = _due_schedule(sessions, object_store, database_url, "* * * * *", start)
     for minute in range(3):  # sweeps a minute apart, each finding the next minute due
         fire_due_schedules(
-            sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL,
+            sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, served_models=list,
             now=start + timedelta(minutes=minute, seconds=5),
         )
     with sessions() as session:
@@ -278,6 +285,37 @@ def test_racing_sweeps_fire_a_due_rag_schedule_into_exactly_one_rag_job(
     assert [document["id"] for document in documents] == ["a.md", "b.txt"]  # the prefix listed in key order
 
 
+def test_a_rag_schedule_reading_pages_binds_each_job_to_a_served_model_that_reads_images(
+    sessions: SessionFactory, object_store: ObjectStore, database_url: str
+) -> None:
+    """As POST /v1/rag/jobs does, with the models served when it fires: none reading images records why on the fire
+    (the schedule goes on to its next time); one reading images is the job's model."""
+    project_id = _new_project(database_url)
+    object_store.put_bytes(inbox_key(project_id, "scans/form.pdf"), b"%PDF-1.4")  # listed, never read here
+    spec = ScheduleSpec(
+        cron="0 2 * * *", timezone="UTC", endpoint=RAG_ENDPOINT, completion_window="24h", input_file_id=None,
+        input_prefix="scans/", metadata=None, priority=0, webhook_endpoint_id=None, rag_options={"pdf_mode": "pages"},
+    )
+    now = datetime.now(UTC).replace(microsecond=0)
+    text_only = process_models(["llm"], EMBEDDING_MODEL)
+    served = [text_only, text_only + process_models(["vlm"], EMBEDDING_MODEL, accepts_images=True)]
+    outcomes = []
+    schedule_id = _create_due(sessions, project_id, spec, now - timedelta(hours=2))
+    for hours_ago, models in zip((2, 1), served):
+        with sessions.begin() as session:
+            due = now - timedelta(hours=hours_ago)
+            session.execute(update(Schedule).where(Schedule.id == schedule_id).values(next_fire_at=due))
+        fired = fire_due_schedules(
+            sessions, object_store, lambda _: None, embedding_model=EMBEDDING_MODEL, served_models=lambda: models,
+            now=now,
+        )
+        outcomes += [fire for fire in fired if fire.schedule_id == schedule_id]
+    refused, bound = outcomes
+    assert refused.batch_id is None and refused.error is not None and "read text only ('llm')" in refused.error
+    (job,) = _batches_of(sessions, schedule_id)
+    assert (bound.batch_id, bound.error, job.model) == (job.id, None, "vlm")
+
+
 def _sweep_at_once(
     sessions: SessionFactory, object_store: ObjectStore, schedule_id: str, now: datetime, sweeps: int
 ) -> tuple[list[Fire], list[str]]:
@@ -290,7 +328,9 @@ def _sweep_at_once(
     def sweep() -> None:
         start.wait()
         results.append(
-            fire_due_schedules(sessions, object_store, enqueued.append, embedding_model=EMBEDDING_MODEL, now=now)
+            fire_due_schedules(
+                sessions, object_store, enqueued.append, embedding_model=EMBEDDING_MODEL, served_models=list, now=now
+            )
         )
 
     threads = [threading.Thread(target=sweep) for _ in range(sweeps)]
