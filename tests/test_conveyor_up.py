@@ -159,29 +159,11 @@ def run_batch(client: openai.OpenAI) -> tuple[openai.types.Batch, str]:
     return batch, output
 
 
-def test_conveyor_up_restarts_a_killed_worker_and_the_batch_completes(start_up: Callable[[], UpProcess]) -> None:
-    up = start_up()
-    banner = up.wait_until_up()
-    client = api_client(banner, KEY_PATTERN.findall(banner)[0])
-    workers = [p for p in up.started if p.cmdline()[-1:] == ["worker"] and p.ppid() == up.process.pid]
-    assert len(workers) == 1, [p.cmdline() for p in up.started]
-    os.killpg(workers[0].pid, signal.SIGKILL)  # the worker and the processes it forked, as the OOM killer would
-
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while "conveyor worker restarted (1 restart(s) so far)" not in up.output():
-        assert up.process.poll() is None, f"conveyor up exited:\n{up.output()}"
-        assert time.monotonic() < deadline, f"the worker was not restarted:\n{up.output()}"
-        time.sleep(0.5)
-    assert "conveyor worker stopped unexpectedly; restarting it in 1 s" in up.output()
-    run_batch(client)
-    metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
-    assert 'conveyor_process_restarts_total{process="conveyor worker"} 1.0' in metrics, metrics
-    assert up.interrupt() == 0, up.output()
-
-
-def test_conveyor_up_runs_a_batch_stops_cleanly_and_finds_it_again_after_a_restart(
+def test_conveyor_up_runs_a_batch_stops_cleanly_finds_it_again_and_restarts_a_killed_worker(
     start_up: Callable[[], UpProcess],
 ) -> None:
+    """One life of a local stack (each start of `conveyor up` costs 10-20 s of the suite): a batch, Ctrl-C, a start
+    on the same data that finds the batch again, then its worker killed under it, restarted, and a batch run."""
     first = start_up()
     banner = first.wait_until_up()
     keys = KEY_PATTERN.findall(banner)
@@ -208,6 +190,19 @@ def test_conveyor_up_runs_a_batch_stops_cleanly_and_finds_it_again_after_a_resta
     assert client.batches.retrieve(batch.id).status == "completed"
     assert {input_file.id, batch.output_file_id} <= {listed.id for listed in client.files.list()}
     assert client.files.content(batch.output_file_id).text == output
+
+    workers = [p for p in second.started if p.cmdline()[-1:] == ["worker"] and p.ppid() == second.process.pid]
+    assert len(workers) == 1, [p.cmdline() for p in second.started]
+    os.killpg(workers[0].pid, signal.SIGKILL)  # the worker and the processes it forked, as the OOM killer would
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while "conveyor worker restarted (1 restart(s) so far)" not in second.output():
+        assert second.process.poll() is None, f"conveyor up exited:\n{second.output()}"
+        assert time.monotonic() < deadline, f"the worker was not restarted:\n{second.output()}"
+        time.sleep(0.5)
+    assert "conveyor worker stopped unexpectedly; restarting it in 1 s" in second.output()
+    run_batch(client)
+    metrics = httpx.get(f"{api}/metrics").text
+    assert 'conveyor_process_restarts_total{process="conveyor worker"} 1.0' in metrics, metrics
 
     assert second.interrupt() == 0, second.output()
     assert second.still_running() == [], f"left running after Ctrl-C:\n{second.output()}"
