@@ -7,9 +7,7 @@
 #ifdef CONVEYOR_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#endif
 
-#ifdef CONVEYOR_AMX
 // Encoder (bidirectional) attention over packed sequences with AMX, for bfloat16 and head_dim 32. Per sequence:
 // one pass down its rows packs every head's Q, K and V into AMX's tile layouts; then per head, 32 query rows at a
 // time as two 16-row tiles sharing every K and V tile: S = Q K^T in float32, softmax in float32 with P rounded to
