@@ -1,6 +1,8 @@
 // The C++ CPU kernels' Python module (cpu_kernels.py builds it): the bindings of the entry points that
 // cpu_kernels.h declares, one file per concept beside this one.
-#include <torch/extension.h>
+// pybind11 and its Tensor conversions only: torch/extension.h adds the whole C++ frontend (torch/all.h), which
+// nothing here uses and which took two thirds of this file's compile time.
+#include <torch/csrc/utils/pybind.h>
 
 #include "cpu_kernels.h"
 

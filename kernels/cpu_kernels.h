@@ -3,8 +3,8 @@
 // more than one kernel, and every kernel's entry point, which cpu_kernels.cpp binds to Python.
 // Built with -march=native: the instruction sets are the build machine's, and the build is per CPU (see
 // cpu_kernels.py). Without AVX-512 BF16 the decode attention keeps its portable kernel.
-// Only the ATen headers the kernels use: torch/extension.h (pybind11, the Python API) is for cpu_kernels.cpp alone,
-// since parsing it costs each file seconds.
+// Only the ATen headers the kernels use: pybind11 is for cpu_kernels.cpp alone, since parsing it costs each file
+// seconds.
 #pragma once
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

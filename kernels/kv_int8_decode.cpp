@@ -6,7 +6,9 @@
 // run both on one machine and the benchmark compares them. Built without -march=native so that the one build runs
 // on any x86-64 (as the quantized matmul). Other CPUs, head_dims and fp16 queries take the CPU kernels' portable
 // one (cpu_decode_attention.cpp; cpu_kernels.py dispatches).
-#include <torch/extension.h>
+// pybind11 and its Tensor conversions only: torch/extension.h adds the whole C++ frontend (torch/all.h), which
+// nothing here uses and which took two thirds of this file's compile time.
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <iterator>
@@ -37,8 +39,8 @@ std::string best_isa_name() { return isa_name(best_isa()); }
 
 // The rows token_index[i] of `out` get sequence i's attention over its seq_lens[i] positions; other rows are left
 // alone. query / out: float32 or bf16; caches int8 [num_blocks, block_size, num_kv_heads, head_dim + 4].
-void decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                      torch::Tensor seq_lens, torch::Tensor token_index, torch::Tensor out, double scale, int64_t window,
+void decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                      at::Tensor seq_lens, at::Tensor token_index, at::Tensor out, double scale, int64_t window,
                       double softcap, const std::string& isa_choice) {
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(supports(head_dim), "no int8 decode kernel for head_dim ", head_dim);
@@ -48,8 +50,8 @@ void decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor 
                   (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16), "float32 or bf16 queries");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && out.stride(1) == head_dim, "head_dim must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32, "int32 tables");
-  TORCH_CHECK(token_index.scalar_type() == torch::kInt64, "int64 token_index");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
+  TORCH_CHECK(token_index.scalar_type() == at::kLong, "int64 token_index");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads a multiple of kv heads");
   const Isa isa = parse_isa(isa_choice);
   // Its portable path is the C++ CPU kernels' own (cpu_decode_attention.cpp), not this build's.

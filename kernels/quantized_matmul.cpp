@@ -4,8 +4,11 @@
 // parallel: for AVX-512 (quantized_matmul_avx512.cpp), for AVX2 + FMA (_avx2.cpp), and portable (_portable.cpp);
 // the instruction set is chosen at run time from what the CPU reports (or forced by the caller, which is how the
 // tests run every path on one machine). Built without -march=native so the one build runs on any x86-64.
-#include <torch/extension.h>
+// pybind11 and its Tensor conversions only: torch/extension.h adds the whole C++ frontend (torch/all.h), which
+// nothing here uses and which took two thirds of this file's compile time.
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -44,8 +47,8 @@ using isa_dispatch::best_isa;
 using isa_dispatch::isa_name;
 using isa_dispatch::parse_isa;
 
-void check_weight(const torch::Tensor& weight, const Format& format, int64_t columns) {
-  TORCH_CHECK(weight.dtype() == torch::kUInt8 && weight.dim() == 2 && weight.is_contiguous(),
+void check_weight(const at::Tensor& weight, const Format& format, int64_t columns) {
+  TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
               "quantized weight must be a contiguous uint8 [rows, row_bytes] tensor");
   TORCH_CHECK(columns % format.block_values == 0, "columns (", columns, ") must be a multiple of the block size (",
               format.block_values, ")");
@@ -67,12 +70,12 @@ const RowKernels& row_kernels(Isa isa) {
 }  // namespace
 
 // float32 [rows, columns] values of the quantized rows.
-torch::Tensor dequantize(const torch::Tensor& weight, int64_t kind, int64_t group, int64_t columns, const std::string& isa_choice) {
+at::Tensor dequantize(const at::Tensor& weight, int64_t kind, int64_t group, int64_t columns, const std::string& isa_choice) {
   const Format format = format_of(kind, group);
   check_weight(weight, format, columns);
   const RowKernels& kernels = row_kernels(parse_isa(isa_choice));
   const int64_t rows = weight.size(0), row_bytes = weight.size(1);
-  auto out = torch::empty({rows, columns}, torch::kFloat32);
+  auto out = at::empty({rows, columns}, at::kFloat);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -82,13 +85,13 @@ torch::Tensor dequantize(const torch::Tensor& weight, int64_t kind, int64_t grou
 }
 
 // x [tokens, columns] float32 times the dequantized weight [rows, columns] transposed: [tokens, rows] float32.
-torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t kind, int64_t group, const std::string& isa_choice) {
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, int64_t kind, int64_t group, const std::string& isa_choice) {
   const Format format = format_of(kind, group);
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [tokens, columns]");
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [tokens, columns]");
   const int64_t tokens = x.size(0), columns = x.size(1), rows = weight.size(0), row_bytes = weight.size(1);
   check_weight(weight, format, columns);
   const RowKernels& kernels = row_kernels(parse_isa(isa_choice));
-  auto out = torch::empty({tokens, rows}, torch::kFloat32);
+  auto out = at::empty({tokens, rows}, at::kFloat);
   const float* xp = x.data_ptr<float>();
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
