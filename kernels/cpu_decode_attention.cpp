@@ -3,6 +3,8 @@
 // build (kv_int8_decode.cpp).
 #include "cpu_kernels.h"
 
+#include <ATen/Dispatch.h>
+
 #include <atomic>
 #include <type_traits>
 

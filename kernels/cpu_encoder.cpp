@@ -2,6 +2,9 @@
 // LayerNorm, both where the build has AMX.
 #include "cpu_kernels.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
 #include <limits>
 
 #ifdef CONVEYOR_AMX

@@ -3,14 +3,12 @@
 // more than one kernel, and every kernel's entry point, which cpu_kernels.cpp binds to Python.
 // Built with -march=native: the instruction sets are the build machine's, and the build is per CPU (see
 // cpu_kernels.py). Without AVX-512 BF16 the decode attention keeps its portable kernel.
-// Only the ATen headers the kernels use: pybind11 is for cpu_kernels.cpp alone, since parsing it costs each file
-// seconds.
+// Only the ATen headers every file needs: each file parses what it includes, seconds for the larger ones, so
+// pybind11 is for cpu_kernels.cpp alone, and dtype dispatch and the factory functions are for the files that use
+// them.
 #pragma once
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/util/Optional.h>
 
 #include <algorithm>

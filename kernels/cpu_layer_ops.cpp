@@ -2,6 +2,10 @@
 // embedding, SwiGLU's silu(gate) * up, and the K/V cache write.
 #include "cpu_kernels.h"
 
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
 // RMSNorm over the last dimension, optionally after adding a residual (then `residual` is updated
 // in place to x + residual, rounded to the tensor's dtype as an unfused add would be). Statistics
 // in float32; the normalised value is rounded before the weight multiplies it, as Hugging Face

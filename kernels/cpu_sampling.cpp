@@ -1,6 +1,8 @@
 // The CPU kernels over a step's logits: the structured-output bitmask and the greedy pick with its log-probability.
 #include "cpu_kernels.h"
 
+#include <ATen/ops/empty.h>
+
 // Structured output: the logits of each row's disallowed tokens become -inf, in place; bit j of word w of a row's
 // mask allows token 32 * w + j. A constrained row is mostly whole words of zeros (a JSON key allows a handful of
 // ~50k tokens), filled without looking at their bits. -inf is stored as its bit pattern: -ffast-math lets the
