@@ -55,7 +55,7 @@ class Sampler:
     """Picks one next token per row. Holds no state: every random draw is keyed by (seed, step)."""
 
     def __init__(self, cpu_kernels: bool = False) -> None:
-        self.cpu_kernels = cpu_kernels  # the grammar bitmask by kernels/cpu_kernels.cpp (the model runs them too)
+        self.cpu_kernels = cpu_kernels  # the grammar bitmask by kernels/cpu_sampling.cpp (the model runs them too)
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None

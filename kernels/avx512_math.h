@@ -1,5 +1,5 @@
-// AVX-512 float32 helpers shared by the CPU kernels (cpu_kernels.cpp) and the int8 cache's decode attention
-// (kv_int8_decode.cpp): included where AVX-512 is enabled, -march=native there, a target pragma here.
+// AVX-512 float32 helpers shared by the CPU kernels (cpu_kernels.h) and the int8 cache's decode attention
+// (kv_int8_decode_avx512.cpp): included where AVX-512 is enabled, -march=native there, a target pragma here.
 #pragma once
 #include <immintrin.h>
 

@@ -1,7 +1,7 @@
 // The run-time choice of instruction set for the C++ kernels that compile a body per set (quantized_matmul.cpp,
 // kv_int8_decode.cpp): the widest this CPU runs, and a requested one checked against it.
 #pragma once
-#include <torch/extension.h>
+#include <c10/util/Exception.h>
 
 #include <string>
 

@@ -1,9 +1,11 @@
-// The body of the int8-cache decode attention, compiled once per instruction set by kv_int8_decode.cpp, which
-// includes it inside `namespace isa_<name>` under `#pragma GCC target(...)` after defining that set's `vec` (W float
-// lanes) and its helpers: load / store / set1 / fmadd / mul / add / sub / max, load_int8 (W int8 values widened to float,
-// exactly), reduce_max / reduce_add, exp2 and sum_lanes (W vectors -> one whose lane i is the sum of vector i).
+// The body of the int8-cache decode attention, compiled once per instruction set, each in its own file
+// (kv_int8_decode_avx512.cpp, kv_int8_decode_avx2.cpp), which includes it inside `namespace kv_int8_decode::isa_<name>`
+// under `#pragma GCC target(...)` after defining that set's `vec` (W float lanes) and its helpers: load / store /
+// set1 / fmadd / mul / add / sub / max, load_int8 (W int8 values widened to float, exactly), reduce_max /
+// reduce_add, exp2 and sum_lanes (W vectors -> one whose lane i is the sum of vector i). It exports its set's
+// `decode_kernels` (kv_int8_decode.h).
 //
-// The shape of cpu_kernels.cpp's decode_kernel_bf16: a task is one sequence (handed out one at a time: lengths
+// The shape of cpu_decode_attention.cpp's decode_kernel_bf16: a task is one sequence (handed out one at a time: lengths
 // differ), taken a span of kSpan positions at a time (a span may cross blocks: each position's row is found through
 // the block table), all its kv heads per span, each kv head's work prefetching the next one's rows (the next span's
 // after the last kv head; the following sequence's first after its last span), since blocks lie anywhere in the
@@ -176,3 +178,11 @@ void decode(const q_t* query, int64_t query_row_stride, int64_t query_head_strid
     }
   });
 }
+
+// This instruction set's kernels, for kv_int8_decode.cpp (kv_int8_decode.h).
+extern const DecodeKernels decode_kernels = {
+    {&decode<kHeadDims[0], float>, &decode<kHeadDims[1], float>, &decode<kHeadDims[2], float>,
+     &decode<kHeadDims[3], float>},
+    {&decode<kHeadDims[0], uint16_t>, &decode<kHeadDims[1], uint16_t>, &decode<kHeadDims[2], uint16_t>,
+     &decode<kHeadDims[3], uint16_t>},
+};

@@ -1,33 +1,29 @@
 // Matmuls of quantized weights that dequantize on the fly (GGUF blocks, weight-only int8 / int4 groups, AWQ / GPTQ
-// 4-bit groups with zero points).
-// The body (quantized_matmul_body.h) is compiled three times: for AVX-512, for AVX2 + FMA, and portable; the
-// instruction set is chosen at run time from what the CPU reports (or forced by the caller, which is how the
+// 4-bit groups with zero points): the Python module, its checks and threads.
+// The body (quantized_matmul_body.h) is compiled three times, each in its own file so that ninja builds them in
+// parallel: for AVX-512 (quantized_matmul_avx512.cpp), for AVX2 + FMA (_avx2.cpp), and portable (_portable.cpp);
+// the instruction set is chosen at run time from what the CPU reports (or forced by the caller, which is how the
 // tests run every path on one machine). Built without -march=native so the one build runs on any x86-64.
-#include <torch/extension.h>
+// pybind11 and its Tensor conversions only: torch/extension.h adds the whole C++ frontend (torch/all.h), which
+// nothing here uses and which took two thirds of this file's compile time.
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "isa_dispatch.h"
+#include "quantized_matmul.h"
 
 namespace {
 
-// ggml's type ids, the two weight-only group formats, and the asymmetric 4-bit groups of AWQ / GPTQ checkpoints
-// (ids of our own, outside ggml's range).
-enum class Kind : int {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, INT8 = 1008, INT4 = 1004,
-  UINT4_ZP = 1005,
-};
-
-struct Format {
-  Kind kind;
-  int block_values;  // values per block (the group size for INT8 / INT4)
-  int block_bytes;
-};
+using quantized_matmul::Format;
+using quantized_matmul::Kind;
+using quantized_matmul::RowKernels;
+using quantized_matmul::kTileRows;
 
 Format format_of(int64_t kind, int64_t group) {
   switch (static_cast<Kind>(kind)) {
@@ -46,64 +42,13 @@ Format format_of(int64_t kind, int64_t group) {
   TORCH_CHECK(false, "quantized matmul: unknown weight format id ", kind);
 }
 
-// IEEE half to float, exactly (subnormal halves become normal floats). Always inlined, so each instruction-set
-// body compiles it in its own encoding: called out of line from the AVX-512 / AVX2 bodies, its legacy-SSE
-// instructions ran after wide vector code with the upper register halves dirty, an SSE/AVX transition per block
-// that made those paths up to 15x slower than the portable one on Q8_0 (measured on a Xeon with AMX).
-__attribute__((always_inline)) inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-  uint32_t bits;
-  if (exponent == 0) {
-    const float magnitude = (float)mantissa * (1.0f / 16777216.0f);  // mantissa * 2^-24
-    return sign ? -magnitude : magnitude;
-  }
-  bits = exponent == 31 ? (sign | 0x7F800000u | (mantissa << 13)) : (sign | ((exponent + 112) << 23) | (mantissa << 13));
-  float value;
-  std::memcpy(&value, &bits, 4);
-  return value;
-}
-
-constexpr int64_t kTileRows = 16;  // weight rows dequantized at a time: 16 x 4 KiB columns fit L2
-
-}  // namespace
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
-namespace isa_avx512 {
-#define VEC_FLOATS 16
-#include "quantized_matmul_body.h"
-#undef VEC_FLOATS
-}  // namespace isa_avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace isa_avx2 {
-#define VEC_FLOATS 8
-#include "quantized_matmul_body.h"
-#undef VEC_FLOATS
-}  // namespace isa_avx2
-#pragma GCC pop_options
-#endif
-
-namespace isa_portable {
-#define VEC_FLOATS 4
-#include "quantized_matmul_body.h"
-#undef VEC_FLOATS
-}  // namespace isa_portable
-
-namespace {
-
 using isa_dispatch::Isa;
 using isa_dispatch::best_isa;
 using isa_dispatch::isa_name;
 using isa_dispatch::parse_isa;
 
-void check_weight(const torch::Tensor& weight, const Format& format, int64_t columns) {
-  TORCH_CHECK(weight.dtype() == torch::kUInt8 && weight.dim() == 2 && weight.is_contiguous(),
+void check_weight(const at::Tensor& weight, const Format& format, int64_t columns) {
+  TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
               "quantized weight must be a contiguous uint8 [rows, row_bytes] tensor");
   TORCH_CHECK(columns % format.block_values == 0, "columns (", columns, ") must be a multiple of the block size (",
               format.block_values, ")");
@@ -111,37 +56,42 @@ void check_weight(const torch::Tensor& weight, const Format& format, int64_t col
               " bytes does not hold ", columns, " values of this format");
 }
 
+// The chosen instruction set's build of the body.
+const RowKernels& row_kernels(Isa isa) {
+  switch (isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    case Isa::Avx512: return quantized_matmul::isa_avx512::row_kernels;
+    case Isa::Avx2: return quantized_matmul::isa_avx2::row_kernels;
+#endif
+    default: return quantized_matmul::isa_portable::row_kernels;
+  }
+}
+
 }  // namespace
 
 // float32 [rows, columns] values of the quantized rows.
-torch::Tensor dequantize(const torch::Tensor& weight, int64_t kind, int64_t group, int64_t columns, const std::string& isa_choice) {
+at::Tensor dequantize(const at::Tensor& weight, int64_t kind, int64_t group, int64_t columns, const std::string& isa_choice) {
   const Format format = format_of(kind, group);
   check_weight(weight, format, columns);
-  const Isa isa = parse_isa(isa_choice);
+  const RowKernels& kernels = row_kernels(parse_isa(isa_choice));
   const int64_t rows = weight.size(0), row_bytes = weight.size(1);
-  auto out = torch::empty({rows, columns}, torch::kFloat32);
+  auto out = at::empty({rows, columns}, at::kFloat);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    switch (isa) {
-#if defined(__x86_64__) && defined(__GNUC__)
-      case Isa::Avx512: isa_avx512::dequantize_rows(format, w, row_bytes, columns, begin, end, y); break;
-      case Isa::Avx2: isa_avx2::dequantize_rows(format, w, row_bytes, columns, begin, end, y); break;
-#endif
-      default: isa_portable::dequantize_rows(format, w, row_bytes, columns, begin, end, y);
-    }
+    kernels.dequantize_rows(format, w, row_bytes, columns, begin, end, y);
   });
   return out;
 }
 
 // x [tokens, columns] float32 times the dequantized weight [rows, columns] transposed: [tokens, rows] float32.
-torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t kind, int64_t group, const std::string& isa_choice) {
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, int64_t kind, int64_t group, const std::string& isa_choice) {
   const Format format = format_of(kind, group);
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [tokens, columns]");
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [tokens, columns]");
   const int64_t tokens = x.size(0), columns = x.size(1), rows = weight.size(0), row_bytes = weight.size(1);
   check_weight(weight, format, columns);
-  const Isa isa = parse_isa(isa_choice);
-  auto out = torch::empty({tokens, rows}, torch::kFloat32);
+  const RowKernels& kernels = row_kernels(parse_isa(isa_choice));
+  auto out = at::empty({tokens, rows}, at::kFloat);
   const float* xp = x.data_ptr<float>();
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
@@ -150,17 +100,7 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scratch(kTileRows * columns);
     const int64_t begin = first * kTileRows, end = std::min(rows, last * kTileRows);
-    switch (isa) {
-#if defined(__x86_64__) && defined(__GNUC__)
-      case Isa::Avx512:
-        isa_avx512::matmul_rows(format, xp, tokens, w, row_bytes, columns, begin, end, o, rows, scratch.data());
-        break;
-      case Isa::Avx2:
-        isa_avx2::matmul_rows(format, xp, tokens, w, row_bytes, columns, begin, end, o, rows, scratch.data());
-        break;
-#endif
-      default: isa_portable::matmul_rows(format, xp, tokens, w, row_bytes, columns, begin, end, o, rows, scratch.data());
-    }
+    kernels.matmul_rows(format, xp, tokens, w, row_bytes, columns, begin, end, o, rows, scratch.data());
   });
   return out;
 }

@@ -7,11 +7,12 @@ engine/quantization/weight_only.py (INT8, INT4: a float32 scale then the group's
 a zero point of AWQ / GPTQ checkpoints (UINT4_ZP, repacked by engine/quantization/w4a16.py). `matmul` dequantizes
 16 rows at a time into float32 and multiplies them by every token while they sit in cache (4 tokens x 4 rows of
 register accumulators), so a decode step reads the weight's bytes once, a quarter to a half of bf16's.
-Dequantization gives bit for bit gguf-py's float32 values (see the .cpp); the products are float32 sums in
-another order than torch's matmul.
+Dequantization gives bit for bit gguf-py's float32 values (see quantized_matmul_body.h); the products are float32
+sums in another order than torch's matmul.
 
-The C++ body is compiled for AVX-512, for AVX2 + FMA and portably, and `isa="auto"` takes the widest the CPU
-runs; tests force each path by name. The reference: dequantize (gguf-py's `gguf.quants.dequantize` for GGUF
+The C++ body is compiled for AVX-512, for AVX2 + FMA and portably (`quantized_matmul_avx512.cpp`, `_avx2.cpp`,
+`_portable.cpp`, which ninja builds in parallel beside the module's `quantized_matmul.cpp`), and `isa="auto"` takes
+the widest the CPU runs; tests force each path by name. The reference: dequantize (gguf-py's `gguf.quants.dequantize` for GGUF
 blocks, the weight-only formula for groups) in float32, then torch's matmul.
 """
 
@@ -25,10 +26,16 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kernels.cpu_kernels import ISA_DISPATCH, build_digest, load_extension
+from kernels.cpu_kernels import build_digest, load_extension
 
-_SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
-_BODY = Path(__file__).with_name("quantized_matmul_body.h")
+# The module, then the body's build per instruction set (quantized_matmul.h), which ninja compiles in parallel.
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in (
+        "quantized_matmul.cpp", "quantized_matmul_avx512.cpp", "quantized_matmul_avx2.cpp",
+        "quantized_matmul_portable.cpp",
+    )
+]
 
 Isa = Literal["auto", "avx512", "avx2", "portable"]
 
@@ -48,9 +55,9 @@ def load_quantized_kernels() -> ModuleType:
     """The compiled extension. Unlike the optional CPU kernels there is no torch path to keep: a quantized model
     needs it, so a failed build raises (with the compiler's message)."""
     return load_extension(
-        f"conveyor_quantized_matmul_{build_digest(_SOURCE, _BODY, ISA_DISPATCH)}",
+        f"conveyor_quantized_matmul_{build_digest(*_SOURCES)}",
         "the quantized matmul kernels",
-        [_SOURCE],
+        _SOURCES,
         extra_cflags=["-O3", "-fopenmp"],  # no -march=native: each path is compiled for its own instruction set
         extra_ldflags=["-fopenmp"],  # at::parallel_for runs its threads through OpenMP: without it, one thread
     )

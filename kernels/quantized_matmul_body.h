@@ -1,7 +1,9 @@
-// The body of the quantized matmul kernels, compiled once per instruction set by quantized_matmul.cpp, which
-// includes it inside `namespace isa_<name>` under `#pragma GCC target(...)` with VEC_FLOATS set to the vector
-// width (16 floats for AVX-512, 8 for AVX2, 4 for the portable build, which GCC lowers to SSE2 on x86-64 and to
-// NEON or scalar code elsewhere). Written with GCC's vector extensions, so one text serves every width.
+// The body of the quantized matmul kernels, compiled once per instruction set, each in its own file
+// (quantized_matmul_avx512.cpp, _avx2.cpp, _portable.cpp), which includes it inside
+// `namespace quantized_matmul::isa_<name>` under `#pragma GCC target(...)` with VEC_FLOATS set to the vector width
+// (16 floats for AVX-512, 8 for AVX2, 4 for the portable build, which GCC lowers to SSE2 on x86-64 and to NEON or
+// scalar code elsewhere); it exports its set's `row_kernels` (quantized_matmul.h). Written with GCC's vector
+// extensions, so one text serves every width.
 //
 // Dequantization follows gguf-py's `gguf.quants.dequantize` (and ggml's dequantize_row_*) operation for
 // operation: every product below is of a float16 scale (11 significant bits) by a small integer, or of such a
@@ -200,8 +202,8 @@ static void dequantize_row(const Format& format, const uint8_t* row, float* y, i
   }
 }
 
-void dequantize_rows(const Format& format, const uint8_t* weight, int64_t row_bytes, int64_t columns, int64_t begin,
-                     int64_t end, float* out) {
+static void dequantize_rows(const Format& format, const uint8_t* weight, int64_t row_bytes, int64_t columns,
+                            int64_t begin, int64_t end, float* out) {
   for (int64_t r = begin; r < end; ++r) dequantize_row(format, weight + r * row_bytes, out + r * columns, columns);
 }
 
@@ -238,8 +240,9 @@ static void tile_times_tokens(const float* x, int64_t tokens, const float* tile,
 
 // out[:, begin:end] = x @ dequantize(weight[begin:end]).T, a tile of kTileRows rows dequantized at a time into
 // `scratch` (kTileRows * columns floats) and multiplied by every token while it sits in L1/L2.
-void matmul_rows(const Format& format, const float* x, int64_t tokens, const uint8_t* weight, int64_t row_bytes,
-                 int64_t columns, int64_t begin, int64_t end, float* out, int64_t out_columns, float* scratch) {
+static void matmul_rows(const Format& format, const float* x, int64_t tokens, const uint8_t* weight,
+                        int64_t row_bytes, int64_t columns, int64_t begin, int64_t end, float* out,
+                        int64_t out_columns, float* scratch) {
   for (int64_t n0 = begin; n0 < end; n0 += kTileRows) {
     const int64_t rows = end - n0 < kTileRows ? end - n0 : kTileRows;
     dequantize_rows(format, weight + n0 * row_bytes, row_bytes, columns, 0, rows, scratch);
@@ -248,3 +251,6 @@ void matmul_rows(const Format& format, const float* x, int64_t tokens, const uin
     for (; r < rows; ++r) tile_times_tokens<1>(x, tokens, scratch + r * columns, columns, out + n0 + r, out_columns);
   }
 }
+
+// This instruction set's row kernels, for quantized_matmul.cpp (quantized_matmul.h).
+extern const RowKernels row_kernels = {&dequantize_rows, &matmul_rows};
