@@ -136,8 +136,10 @@ def test_two_failures_then_success_is_one_success_after_three_attempts(
             if delivery_row(sessions, delivery_id).status != DeliveryStatus.pending:
                 break
             threading.Event().wait(0.05)
-        for _ in range(3):  # nothing is left to send
-            assert send_due_deliveries(sessions, FAST_RETRIES) == 0
+        # Sent again, a succeeded delivery makes no attempt: the three below stay three. (Not "nothing is sent": the
+        # module's earlier tests leave deliveries to closed ports that come due again.)
+        for _ in range(3):
+            send_due_deliveries(sessions, FAST_RETRIES)
 
     attempts = attempts_of(sessions, delivery_id)
     outcomes = [(a.number, a.status_code, a.succeeded) for a in attempts]
