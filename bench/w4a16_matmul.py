@@ -11,12 +11,11 @@ so the weights come from memory rather than a cache that one small matrix fits i
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import markdown_table, ratio, run_cli
+from bench.common import markdown_table, median_ms, ratio, run_cli
 from bench.report import describe_machine
 from engine.quantization.unquantized import prepack
 from engine.quantization.w4a16 import Int4Piece, pack_uint4_zp
@@ -37,17 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=20)
 
 
-def _median_ms(call, repeats: int) -> float:
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
-
-
 def run(args: argparse.Namespace) -> None:
     generator = torch.Generator().manual_seed(0)
     rows, columns, group = args.rows, args.columns, args.group
@@ -66,7 +54,8 @@ def run(args: argparse.Namespace) -> None:
     bf16 = [weight.to(torch.bfloat16) for weight in weights]
     packed = [prepack(weight) for weight in bf16]
     del weights, pieces
-    print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; kernels' path: {quantized_matmul.best_isa()}")
+    print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; kernels' path: "
+          f"{quantized_matmul.auto_path(torch.bfloat16)}")
     table = []
     for tokens in args.tokens:
         x = torch.randn(tokens, columns, generator=generator).to(torch.bfloat16)
@@ -81,7 +70,7 @@ def run(args: argparse.Namespace) -> None:
         ]
         baseline = None
         for label, matmul, layers, nbytes in setups:
-            ms = _median_ms(lambda: [matmul(w) for w in layers], args.repeats) / len(layers)
+            ms = median_ms(lambda: [matmul(w) for w in layers], args.repeats) / len(layers)
             baseline = baseline or ms
             table.append((tokens, label, f"{ms:.3f}", ratio(baseline, ms), f"{nbytes / 2**10:.0f}"))
     print(markdown_table(["tokens", "weights", "ms / matmul", "speed vs packed bf16", "weight KiB"], table))

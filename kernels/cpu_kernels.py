@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _INT8_DECODE_SOURCE = Path(__file__).with_name("kv_int8_decode.cpp")
 _INT8_DECODE_BODY = Path(__file__).with_name("kv_int8_decode_body.h")
-_AVX512_MATH = Path(__file__).with_name("avx512_math.h")  # included by both builds
+AVX512_MATH = Path(__file__).with_name("avx512_math.h")  # included by these builds and the quantized matmul
 ISA_DISPATCH = Path(__file__).with_name("isa_dispatch.h")  # included by the builds that pick a path at run time
 
 # The int8 cache's decode attention paths: `auto` the widest this CPU runs for the call's head_dim and dtype.
@@ -65,7 +65,7 @@ def load_cpu_kernels() -> ModuleType | None:
     """The compiled extension, or None where it cannot be built (no compiler, no ninja)."""
     try:
         return load_extension(
-            f"conveyor_cpu_kernels_{build_digest(_SOURCE, _AVX512_MATH)}",
+            f"conveyor_cpu_kernels_{build_digest(_SOURCE, AVX512_MATH)}",
             "the C++ CPU kernels",
             [_SOURCE],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
@@ -82,7 +82,7 @@ def load_int8_decode_kernels() -> ModuleType | None:
     picked at run time), or None where it cannot be built: the portable kernel then reads int8 caches."""
     try:
         return load_extension(
-            f"conveyor_kv_int8_decode_{build_digest(_INT8_DECODE_SOURCE, _INT8_DECODE_BODY, _AVX512_MATH, ISA_DISPATCH)}",
+            f"conveyor_kv_int8_decode_{build_digest(_INT8_DECODE_SOURCE, _INT8_DECODE_BODY, AVX512_MATH, ISA_DISPATCH)}",
             "the int8 KV cache's decode attention",
             [_INT8_DECODE_SOURCE],
             extra_cflags=["-O3", "-fopenmp"],  # no -march=native: each path is compiled for its instruction set

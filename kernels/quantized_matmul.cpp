@@ -3,6 +3,8 @@
 // The body (quantized_matmul_body.h) is compiled three times: for AVX-512, for AVX2 + FMA, and portable; the
 // instruction set is chosen at run time from what the CPU reports (or forced by the caller, which is how the
 // tests run every path on one machine). Built without -march=native so the one build runs on any x86-64.
+// bf16 x has a fourth path, quantized_matmul_bf16.h (AVX-512 BF16: the tile rounded to bf16, bf16 dot products),
+// taken where the CPU has AVX-512 BF16; elsewhere bf16 x is converted to float32 and takes the float32 paths.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -80,6 +82,14 @@ namespace isa_avx512 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")
+#include "avx512_math.h"  // sum_lanes_16
+namespace isa_avx512_bf16 {
+#include "quantized_matmul_bf16.h"
+}  // namespace isa_avx512_bf16
+#pragma GCC pop_options
+
+#pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace isa_avx2 {
 #define VEC_FLOATS 8
@@ -99,6 +109,7 @@ namespace {
 
 using isa_dispatch::Isa;
 using isa_dispatch::best_isa;
+using isa_dispatch::has_avx512_bf16;
 using isa_dispatch::isa_name;
 using isa_dispatch::parse_isa;
 
@@ -109,6 +120,27 @@ void check_weight(const torch::Tensor& weight, const Format& format, int64_t col
               format.block_values, ")");
   TORCH_CHECK(weight.size(1) == columns / format.block_values * format.block_bytes, "row of ", weight.size(1),
               " bytes does not hold ", columns, " values of this format");
+}
+
+// Whether a matmul of x takes the bf16 path: asked for by name ("avx512_bf16"), or "auto" with bf16 x on a CPU that
+// runs it. Asked for float32 x (whose runs keep the float32 weights) or on a CPU without AVX-512 BF16: refused.
+bool takes_bf16_path(const torch::Tensor& x, const std::string& isa_choice) {
+  if (isa_choice == "auto") return x.dtype() == torch::kBFloat16 && has_avx512_bf16();
+  if (isa_choice != "avx512_bf16") return false;
+  TORCH_CHECK(x.dtype() == torch::kBFloat16, "the avx512_bf16 path multiplies bf16 x; float32 x takes the float32 "
+              "paths (auto, avx512, avx2, portable)");
+  TORCH_CHECK(has_avx512_bf16(), "this CPU cannot run the avx512_bf16 path (no AVX-512 BF16; best: ",
+              isa_name(best_isa()), ")");
+  return true;
+}
+
+// fn(begin, end) over the rows in whole tiles, in parallel: threads never share a tile.
+template <typename Fn>
+void over_tiles(int64_t rows, const Fn& fn) {
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    fn(first * kTileRows, std::min(rows, last * kTileRows));
+  });
 }
 
 }  // namespace
@@ -134,22 +166,35 @@ torch::Tensor dequantize(const torch::Tensor& weight, int64_t kind, int64_t grou
   return out;
 }
 
-// x [tokens, columns] float32 times the dequantized weight [rows, columns] transposed: [tokens, rows] float32.
+// x [tokens, columns] float32 or bf16 times the dequantized weight [rows, columns] transposed: [tokens, rows]
+// float32. bf16 x on the avx512_bf16 path multiplies the weights rounded to bf16; on the float32 paths (which bf16 x
+// takes where the CPU lacks AVX-512 BF16, or when one is asked for) it is converted to float32 and multiplies the
+// float32 weights.
 torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t kind, int64_t group, const std::string& isa_choice) {
   const Format format = format_of(kind, group);
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [tokens, columns]");
+  TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
+              "x must be contiguous float32 or bf16 [tokens, columns]");
   const int64_t tokens = x.size(0), columns = x.size(1), rows = weight.size(0), row_bytes = weight.size(1);
   check_weight(weight, format, columns);
-  const Isa isa = parse_isa(isa_choice);
   auto out = torch::empty({tokens, rows}, torch::kFloat32);
-  const float* xp = x.data_ptr<float>();
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  // Whole tiles per task, so threads never share a tile.
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+  if (takes_bf16_path(x, isa_choice)) {  // never true where the path is not compiled
+#if defined(__x86_64__) && defined(__GNUC__)
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    over_tiles(rows, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(columns);
+      std::vector<uint16_t> tile(kTileRows * columns);
+      isa_avx512_bf16::matmul_rows(format, xp, tokens, w, row_bytes, columns, begin, end, o, rows, row.data(), tile.data());
+    });
+    return out;
+#endif
+  }
+  const Isa isa = parse_isa(isa_choice);
+  const torch::Tensor x32 = x.to(torch::kFloat32);  // bf16 x: its values exactly
+  const float* xp = x32.data_ptr<float>();
+  over_tiles(rows, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kTileRows * columns);
-    const int64_t begin = first * kTileRows, end = std::min(rows, last * kTileRows);
     switch (isa) {
 #if defined(__x86_64__) && defined(__GNUC__)
       case Isa::Avx512:
@@ -171,4 +216,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "float32 values of quantized rows");
   m.def("matmul", &matmul, "x @ dequantize(weight).T, dequantizing a tile of rows at a time");
   m.def("best_isa", &best_isa_name, "the widest instruction set this CPU runs: avx512, avx2 or portable");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs the avx512_bf16 path (bf16 x)");
 }
