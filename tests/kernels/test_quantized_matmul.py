@@ -77,7 +77,7 @@ def test_weight_only_kernels_match_the_formula(bits):
 @pytest.mark.parametrize("tokens", [3, quantized_matmul.DEQUANTIZE_ABOVE_TOKENS + 5])
 def test_linear_in_bf16_on_both_sides_of_the_threshold(tokens):
     """Both sides multiply the bf16-rounded weights where the CPU has AVX-512 BF16 (one numeric behaviour for a bf16
-    run); without it the kernel's side multiplies the float32 ones. Tolerance: the output's bf16 rounding."""
+    run); without it the kernel's side multiplies the float32 ones. Tolerance: one bf16 step of the output (2^-7)."""
     rows, columns = 21, 64
     weight = torch.from_numpy(random_blocks(rows, columns, "Q4_1", np.random.default_rng(2)))
     x = torch.randn(2, tokens, columns, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -87,7 +87,7 @@ def test_linear_in_bf16_on_both_sides_of_the_threshold(tokens):
     reference = matmul_bf16_reference if bf16_weights else matmul_reference
     expected = reference(x.reshape(-1, columns), dequantized)
     assert got.dtype == torch.bfloat16 and got.shape == (2, tokens, rows)
-    torch.testing.assert_close(got.reshape(-1, rows).float(), expected, rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(got.reshape(-1, rows).float(), expected, rtol=2**-7, atol=1e-5)
 
 
 # Every format of the kernels, as (name, format id, group, columns, blocks of `rows` rows): GGUF's from gguf-py's
