@@ -45,7 +45,7 @@ static inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* ti
     for (int r = 0; r < RT; ++r) w[r] = load_pairs(tile + r * k + i, mask);
     for (int m = 0; m < MT; ++m) {
       const __m512bh xv = load_pairs(x + m * ldx + i, mask);
-      for (int r = 0; r < RT; ++r) acc[m * RT + r] = _mm512_dpbf16ps(acc[m * RT + r], xv, w[r]);
+      for (int r = 0; r < RT; ++r) acc[m * RT + r] = _mm512_dpbf16_ps(acc[m * RT + r], xv, w[r]);
     }
   };
   int64_t i = 0;
