@@ -29,9 +29,13 @@ static void round_row_to_bf16(const float* y, uint16_t* out, int64_t n) {
   }
 }
 
-// 32 bf16 values (16 pairs for vdpbf16ps); those outside `mask` read as +0, whose products add nothing.
+// 32 bf16 values (16 pairs for vdpbf16ps); masked: those outside `mask` read as +0, whose products add nothing. A
+// plain load wherever the 32 are all in the row: GCC cannot tell what a masked load reads, so with masked loads in
+// the main loop it kept the accumulators in memory (16 stores a step), slower than the float32 path.
+template <bool kMasked>
 static inline __m512bh load_pairs(const uint16_t* p, __mmask32 mask) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+  if constexpr (kMasked) return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+  return (__m512bh)_mm512_loadu_si512(p);
 }
 
 // out[m, r] for MT tokens of x (rows ldx apart) and RT rows of the bf16 tile (k values each): MT x RT accumulators of
@@ -40,17 +44,18 @@ template <int MT, int RT>
 static inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* tile, int64_t k, float* out, int64_t ldo) {
   __m512 acc[MT * RT];
   for (int j = 0; j < MT * RT; ++j) acc[j] = _mm512_setzero_ps();
-  const auto step = [&](int64_t i, __mmask32 mask) __attribute__((always_inline)) {
+  const auto step = [&](int64_t i, __mmask32 mask, auto masked) __attribute__((always_inline)) {
+    constexpr bool kMasked = decltype(masked)::value;
     __m512bh w[RT];
-    for (int r = 0; r < RT; ++r) w[r] = load_pairs(tile + r * k + i, mask);
+    for (int r = 0; r < RT; ++r) w[r] = load_pairs<kMasked>(tile + r * k + i, mask);
     for (int m = 0; m < MT; ++m) {
-      const __m512bh xv = load_pairs(x + m * ldx + i, mask);
+      const __m512bh xv = load_pairs<kMasked>(x + m * ldx + i, mask);
       for (int r = 0; r < RT; ++r) acc[m * RT + r] = _mm512_dpbf16_ps(acc[m * RT + r], xv, w[r]);
     }
   };
   int64_t i = 0;
-  for (; i + 32 <= k; i += 32) step(i, ~(__mmask32)0);
-  if (i < k) step(i, (__mmask32)((1u << (k - i)) - 1));  // a format whose rows are not whole 32s (small groups)
+  for (; i + 32 <= k; i += 32) step(i, 0, std::false_type{});
+  if (i < k) step(i, (__mmask32)((1u << (k - i)) - 1), std::true_type{});  // rows not whole 32s (small groups)
   if constexpr (MT * RT == 16) {  // one transpose-and-add tree for all 16 sums
     alignas(64) float sums[16];
     _mm512_store_ps(sums, sum_lanes_16(acc));
