@@ -183,18 +183,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
-def median_ms(call: Callable[[], object], repeats: int) -> float:
-    """Milliseconds of the median of `repeats` calls, after three warm-up calls (the micro-benchmarks' timer)."""
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
-
-
 def ratio(value: float, baseline: float) -> str:
     return f"{value / baseline:.2f}x" if baseline else "n/a"
 

@@ -11,11 +11,12 @@ so the weights come from memory rather than a cache that one small matrix fits i
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import markdown_table, median_ms, ratio, run_cli
+from bench.common import markdown_table, ratio, run_cli
 from bench.report import describe_machine
 from engine.quantization.unquantized import prepack
 from engine.quantization.w4a16 import Int4Piece, pack_uint4_zp
@@ -34,6 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", type=int, default=64, help="input features per group (divides --columns)")
     parser.add_argument("--layers", type=int, default=64, help="distinct matrices per call (past the caches)")
     parser.add_argument("--repeats", type=int, default=20)
+
+
+def _median_ms(call, repeats: int) -> float:
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def run(args: argparse.Namespace) -> None:
@@ -70,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
         ]
         baseline = None
         for label, matmul, layers, nbytes in setups:
-            ms = median_ms(lambda: [matmul(w) for w in layers], args.repeats) / len(layers)
+            ms = _median_ms(lambda: [matmul(w) for w in layers], args.repeats) / len(layers)
             baseline = baseline or ms
             table.append((tokens, label, f"{ms:.3f}", ratio(baseline, ms), f"{nbytes / 2**10:.0f}"))
     print(markdown_table(["tokens", "weights", "ms / matmul", "speed vs packed bf16", "weight KiB"], table))
