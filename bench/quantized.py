@@ -34,7 +34,7 @@ from engine import LLM, SamplingParams
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.parallel_layers import QuantizableLinear
 from engine.quantization.gguf import GGUFTensor
-from kernels.quantized_matmul import best_isa
+from kernels.quantized_matmul import auto_path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> None:
     types = ", ".join(f"{name} x{count}" for name, count in sorted(
         {t: list(source.hf_config["quantization_config"]["tensor_types"].values()).count(t)
          for t in set(source.hf_config["quantization_config"]["tensor_types"].values())}.items()))
-    print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; quantized kernels' path: {best_isa()}")
+    print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; quantized kernels' path: "
+          f"{auto_path(torch.bfloat16)}")
     print(f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs "
           f"{args.output_len[0]}-{args.output_len[1]}, max_num_seqs {args.max_num_seqs}, activations bf16", flush=True)
     rows: list[tuple[str, BenchResult, int]] = []

@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> None:
     bf16 = [weight.to(torch.bfloat16) for weight in weights]
     packed = [prepack(weight) for weight in bf16]
     del weights, pieces
-    print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; kernels' path: {quantized_matmul.best_isa()}")
+    print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; kernels' path: "
+          f"{quantized_matmul.auto_path(torch.bfloat16)}")
     table = []
     for tokens in args.tokens:
         x = torch.randn(tokens, columns, generator=generator).to(torch.bfloat16)

@@ -1,5 +1,6 @@
 // The run-time choice of instruction set for the C++ kernels that compile a body per set (quantized_matmul.cpp,
-// kv_int8_decode.cpp): the widest this CPU runs, and a requested one checked against it.
+// kv_int8_decode.cpp): the widest this CPU runs, and a requested one checked against it; and AVX-512 BF16, which
+// only the quantized matmul's bf16 path uses.
 #pragma once
 #include <c10/util/Exception.h>
 
@@ -35,6 +36,17 @@ inline Isa parse_isa(const std::string& name) {
   else TORCH_CHECK(false, "isa must be auto, avx512, avx2 or portable; got ", name);
   TORCH_CHECK((int)wanted <= (int)best, "this CPU cannot run the ", name, " path (best: ", isa_name(best), ")");
   return wanted;
+}
+
+// AVX-512 BF16 (vcvtne2ps2bf16, vdpbf16ps: products of bf16 pairs summed into float32 lanes) on top of the
+// AVX-512 set. A capability beside the order above rather than a step in it: only a kernel with a bf16 body asks
+// (quantized_matmul.cpp, for bf16 x), so the other kernels' paths stay portable < avx2 < avx512.
+inline bool has_avx512_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return best_isa() == Isa::Avx512 && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
 }
 
 }  // namespace isa_dispatch

@@ -4,6 +4,9 @@
 // parallel: for AVX-512 (quantized_matmul_avx512.cpp), for AVX2 + FMA (_avx2.cpp), and portable (_portable.cpp);
 // the instruction set is chosen at run time from what the CPU reports (or forced by the caller, which is how the
 // tests run every path on one machine). Built without -march=native so the one build runs on any x86-64.
+// bf16 x has a fourth path, quantized_matmul_bf16.h (AVX-512 BF16: the tile rounded to bf16, bf16 dot products, in
+// quantized_matmul_avx512_bf16.cpp), taken where the CPU has AVX-512 BF16; elsewhere bf16 x is converted to float32
+// and takes the float32 paths.
 // pybind11 and its Tensor conversions only: torch/extension.h adds the whole C++ frontend (torch/all.h), which
 // nothing here uses and which took two thirds of this file's compile time.
 #include <torch/csrc/utils/pybind.h>
@@ -44,6 +47,7 @@ Format format_of(int64_t kind, int64_t group) {
 
 using isa_dispatch::Isa;
 using isa_dispatch::best_isa;
+using isa_dispatch::has_avx512_bf16;
 using isa_dispatch::isa_name;
 using isa_dispatch::parse_isa;
 
@@ -67,6 +71,27 @@ const RowKernels& row_kernels(Isa isa) {
   }
 }
 
+// Whether a matmul of x takes the bf16 path: asked for by name ("avx512_bf16"), or "auto" with bf16 x on a CPU that
+// runs it. Asked for float32 x (whose runs keep the float32 weights) or on a CPU without AVX-512 BF16: refused.
+bool takes_bf16_path(const at::Tensor& x, const std::string& isa_choice) {
+  if (isa_choice == "auto") return x.dtype() == at::kBFloat16 && has_avx512_bf16();
+  if (isa_choice != "avx512_bf16") return false;
+  TORCH_CHECK(x.dtype() == at::kBFloat16, "the avx512_bf16 path multiplies bf16 x; float32 x takes the float32 "
+              "paths (auto, avx512, avx2, portable)");
+  TORCH_CHECK(has_avx512_bf16(), "this CPU cannot run the avx512_bf16 path (no AVX-512 BF16; best: ",
+              isa_name(best_isa()), ")");
+  return true;
+}
+
+// fn(begin, end) over the rows in whole tiles, in parallel: threads never share a tile.
+template <typename Fn>
+void over_tiles(int64_t rows, const Fn& fn) {
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    fn(first * kTileRows, std::min(rows, last * kTileRows));
+  });
+}
+
 }  // namespace
 
 // float32 [rows, columns] values of the quantized rows.
@@ -84,22 +109,36 @@ at::Tensor dequantize(const at::Tensor& weight, int64_t kind, int64_t group, int
   return out;
 }
 
-// x [tokens, columns] float32 times the dequantized weight [rows, columns] transposed: [tokens, rows] float32.
+// x [tokens, columns] float32 or bf16 times the dequantized weight [rows, columns] transposed: [tokens, rows]
+// float32. bf16 x on the avx512_bf16 path multiplies the weights rounded to bf16; on the float32 paths (which bf16 x
+// takes where the CPU lacks AVX-512 BF16, or when one is asked for) it is converted to float32 and multiplies the
+// float32 weights.
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, int64_t kind, int64_t group, const std::string& isa_choice) {
   const Format format = format_of(kind, group);
-  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [tokens, columns]");
+  TORCH_CHECK((x.dtype() == at::kFloat || x.dtype() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
+              "x must be contiguous float32 or bf16 [tokens, columns]");
   const int64_t tokens = x.size(0), columns = x.size(1), rows = weight.size(0), row_bytes = weight.size(1);
   check_weight(weight, format, columns);
-  const RowKernels& kernels = row_kernels(parse_isa(isa_choice));
   auto out = at::empty({tokens, rows}, at::kFloat);
-  const float* xp = x.data_ptr<float>();
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  // Whole tiles per task, so threads never share a tile.
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+  if (takes_bf16_path(x, isa_choice)) {  // never true where the path is not compiled
+#if defined(__x86_64__) && defined(__GNUC__)
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    over_tiles(rows, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(columns);
+      std::vector<uint16_t> tile(kTileRows * columns);
+      quantized_matmul::isa_avx512_bf16::matmul_rows_bf16(format, xp, tokens, w, row_bytes, columns, begin, end, o,
+                                                          rows, row.data(), tile.data());
+    });
+    return out;
+#endif
+  }
+  const RowKernels& kernels = row_kernels(parse_isa(isa_choice));
+  const at::Tensor x32 = x.to(at::kFloat);  // bf16 x: its values exactly
+  const float* xp = x32.data_ptr<float>();
+  over_tiles(rows, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kTileRows * columns);
-    const int64_t begin = first * kTileRows, end = std::min(rows, last * kTileRows);
     kernels.matmul_rows(format, xp, tokens, w, row_bytes, columns, begin, end, o, rows, scratch.data());
   });
   return out;
@@ -111,4 +150,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "float32 values of quantized rows");
   m.def("matmul", &matmul, "x @ dequantize(weight).T, dequantizing a tile of rows at a time");
   m.def("best_isa", &best_isa_name, "the widest instruction set this CPU runs: avx512, avx2 or portable");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs the avx512_bf16 path (bf16 x)");
 }

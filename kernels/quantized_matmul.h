@@ -1,8 +1,8 @@
 // What the quantized matmul's translation units share: the weight formats, the exact half -> float conversion, the
 // tile height, and the row kernels each instruction-set build exports. quantized_matmul.cpp (the Python module:
 // checks, threads, the run-time choice of path) calls them through `RowKernels`; quantized_matmul_avx512.cpp,
-// _avx2.cpp and _portable.cpp each compile quantized_matmul_body.h for their instruction set, so that ninja builds
-// the three in parallel. No torch header here: the bodies need none, and parsing one costs each file seconds.
+// _avx2.cpp and _portable.cpp each compile quantized_matmul_body.h for their instruction set, and
+// quantized_matmul_avx512_bf16.cpp the bf16 path, so that ninja builds the four in parallel. No torch header here: the bodies need none, and parsing one costs each file seconds.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -56,6 +56,13 @@ struct RowKernels {
 #if defined(__x86_64__) && defined(__GNUC__)
 namespace isa_avx512 { extern const RowKernels row_kernels; }  // quantized_matmul_avx512.cpp
 namespace isa_avx2 { extern const RowKernels row_kernels; }  // quantized_matmul_avx2.cpp
+// quantized_matmul_avx512_bf16.cpp (quantized_matmul_bf16.h): out[:, begin:end] = x @ bf16(dequantize(weight)).T for
+// bf16 x (its bits), through `row` (columns floats) and `tile` (kTileRows * columns bf16 bits); CPUs with AVX-512 BF16.
+namespace isa_avx512_bf16 {
+void matmul_rows_bf16(const Format& format, const uint16_t* x, int64_t tokens, const uint8_t* weight,
+                      int64_t row_bytes, int64_t columns, int64_t begin, int64_t end, float* out, int64_t out_columns,
+                      float* row, uint16_t* tile);
+}
 #endif
 namespace isa_portable { extern const RowKernels row_kernels; }  // quantized_matmul_portable.cpp
 

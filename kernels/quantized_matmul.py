@@ -10,10 +10,15 @@ register accumulators), so a decode step reads the weight's bytes once, a quarte
 Dequantization gives bit for bit gguf-py's float32 values (see quantized_matmul_body.h); the products are float32
 sums in another order than torch's matmul.
 
-The C++ body is compiled for AVX-512, for AVX2 + FMA and portably (`quantized_matmul_avx512.cpp`, `_avx2.cpp`,
-`_portable.cpp`, which ninja builds in parallel beside the module's `quantized_matmul.cpp`), and `isa="auto"` takes
-the widest the CPU runs; tests force each path by name. The reference: dequantize (gguf-py's `gguf.quants.dequantize` for GGUF
-blocks, the weight-only formula for groups) in float32, then torch's matmul.
+The float32 body is compiled for AVX-512, for AVX2 + FMA and portably (`quantized_matmul_avx512.cpp`, `_avx2.cpp`,
+`_portable.cpp`; the bf16 path `quantized_matmul_avx512_bf16.cpp`: ninja builds them in parallel beside the
+module's `quantized_matmul.cpp`), and `isa="auto"` takes the widest the CPU runs; tests force each path by name.
+bf16 x has one more path, `avx512_bf16` (`quantized_matmul_bf16.h`), which `auto` takes where the CPU has AVX-512 BF16: the 16 dequantized rows are rounded to bf16 as torch rounds (so it
+multiplies exactly `dequantize(w).to(torch.bfloat16)`, the weights `linear`'s large steps use) and multiplied with
+bf16 dot products (vdpbf16ps: 32 products an instruction against the float32 FMAs' 16), float32 sums. On a CPU
+without AVX-512 BF16, bf16 x is converted to float32 and meets the float32 weights on the float32 paths. float32 x
+always takes the float32 paths. The reference: dequantize (gguf-py's `gguf.quants.dequantize` for GGUF blocks, the
+weight-only formula for groups) in float32, then torch's matmul (of the bf16-rounded weights for the bf16 path).
 """
 
 from __future__ import annotations
@@ -28,16 +33,17 @@ import torch
 
 from kernels.cpu_kernels import build_digest, load_extension
 
-# The module, then the body's build per instruction set (quantized_matmul.h), which ninja compiles in parallel.
+# The module, then the body's build per instruction set and the bf16 path (quantized_matmul.h), which ninja compiles
+# in parallel.
 _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "quantized_matmul.cpp", "quantized_matmul_avx512.cpp", "quantized_matmul_avx2.cpp",
-        "quantized_matmul_portable.cpp",
+        "quantized_matmul_portable.cpp", "quantized_matmul_avx512_bf16.cpp",
     )
 ]
 
-Isa = Literal["auto", "avx512", "avx2", "portable"]
+Isa = Literal["auto", "avx512_bf16", "avx512", "avx2", "portable"]  # avx512_bf16: bf16 x only (matmul)
 
 # Weight formats by name: (format id the C++ kernels know, values per block, bytes per block); for INT8 and INT4
 # the values per block are the group size, given with each call.
@@ -64,8 +70,18 @@ def load_quantized_kernels() -> ModuleType:
 
 
 def best_isa() -> str:
-    """The path `isa="auto"` runs on this CPU: avx512, avx2 or portable."""
+    """The path `isa="auto"` runs on this CPU for float32 x: avx512, avx2 or portable."""
     return load_quantized_kernels().best_isa()
+
+
+def has_avx512_bf16() -> bool:
+    """Whether this CPU runs the avx512_bf16 path (AVX-512 BF16), which `isa="auto"` takes for bf16 x."""
+    return load_quantized_kernels().has_avx512_bf16()
+
+
+def auto_path(dtype: torch.dtype) -> str:
+    """The path `isa="auto"` runs on this CPU for x of `dtype` (as `linear` passes it: bf16, else float32)."""
+    return "avx512_bf16" if dtype == torch.bfloat16 and has_avx512_bf16() else best_isa()
 
 
 def format_id(name: str) -> int:
@@ -78,7 +94,9 @@ def dequantize(weight: torch.Tensor, format_id: int, group: int, columns: int, i
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, isa: Isa = "auto") -> torch.Tensor:
-    """x [tokens, columns] float32 @ dequantize(weight).T -> [tokens, rows] float32."""
+    """x [tokens, columns] float32 or bf16 @ dequantize(weight).T -> [tokens, rows] float32. On the avx512_bf16
+    path (bf16 x) the weights are `dequantize(weight).to(torch.bfloat16)`; on the others x is taken to float32 and
+    the weights are float32."""
     return load_quantized_kernels().matmul(x, weight, format_id, group, isa)
 
 
@@ -91,8 +109,13 @@ def gguf_dequantize_reference(weight: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def matmul_reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
-    """The oracle of `matmul`: float32 matmul of the dequantized weight."""
+    """The oracle of `matmul`'s float32 paths: float32 matmul of the dequantized weight."""
     return x.float() @ dequantized.T
+
+
+def matmul_bf16_reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
+    """The oracle of `matmul`'s avx512_bf16 path: float32 matmul of bf16 x and the dequantized weight rounded to bf16."""
+    return x.float() @ dequantized.to(torch.bfloat16).float().T
 
 
 # Above this many tokens a step dequantizes the weight and runs torch's matmul instead (prefill): the on-the-fly
@@ -102,10 +125,13 @@ DEQUANTIZE_ABOVE_TOKENS = 32
 
 def linear(x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, columns: int) -> torch.Tensor:
     """x [..., columns] @ dequantize(weight).T in x's dtype, for a layer: the on-the-fly kernel for decode-size
-    steps, dequantize-then-matmul (torch's, in x's dtype) for large ones."""
+    steps, dequantize-then-matmul (torch's, in x's dtype) for large ones. In a bf16 run both multiply the weights
+    rounded to bf16 where the CPU has AVX-512 BF16; without it the kernel's steps multiply the float32 weights (x
+    converted to float32) and only the large steps the bf16-rounded ones. float32 runs: float32 weights throughout."""
     tokens = x.reshape(-1, columns)
     if tokens.shape[0] > DEQUANTIZE_ABOVE_TOKENS:
         out = torch.nn.functional.linear(tokens, dequantize(weight, format_id, group, columns).to(x.dtype))
     else:
-        out = matmul(tokens.float().contiguous(), weight, format_id, group).to(x.dtype)
+        tokens = tokens if tokens.dtype == torch.bfloat16 else tokens.float()
+        out = matmul(tokens.contiguous(), weight, format_id, group).to(x.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])

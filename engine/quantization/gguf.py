@@ -3,7 +3,8 @@
 blocks of one output feature. The import (engine/gguf_import.py) copies the blocks into the converted folder's
 safetensors as uint8 [rows, row_bytes] tensors and names each tensor's type in config.json; `GGUFTensor` carries
 one into loading. Projections keep the blocks and multiply them with kernels/quantized_matmul, which dequantizes
-on the fly to exactly gguf-py's float32 values; every other destination (embeddings, MoE experts) reads the
+on the fly to exactly gguf-py's float32 values (in a bf16 run on a CPU with AVX-512 BF16, those rounded to bf16,
+the weights of its large steps too); every other destination (embeddings, MoE experts) reads the
 tensor dequantized, exactly, into its dtype. Fused projections whose parts differ in type (a Q4_K_M file's Q6_K
 attn_v beside Q4_K q and k) keep one piece per type, run one after the other."""
 

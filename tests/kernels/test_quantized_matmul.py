@@ -6,6 +6,9 @@ name: the AVX-512, AVX2 and portable builds all run on an AVX-512 machine):
   weight-only formula for int8 / int4 groups;
 - the on-the-fly matmul equals dequantize-then-matmul in float32 to rounding, at odd shapes (rows not a multiple of
   the 16-row tile nor of the 4-row micro-tile, token counts not a multiple of 4);
+- the bf16 path (AVX-512 BF16, bf16 x) multiplies exactly the dequantized weights rounded to bf16 (one-hot x reads
+  them back bit for bit) and equals the float32 matmul of those to float32 rounding, every format, odd shapes,
+  tokens 1..33; `auto` takes it for bf16 x only;
 - `linear` (the layers' entry) in bf16 and above the dequantize threshold.
 """
 
@@ -21,7 +24,14 @@ pytest.importorskip("gguf")
 
 from engine.quantization.weight_only import dequantize_rows_reference, quantize_rows
 from kernels import quantized_matmul
-from kernels.quantized_matmul import GGUF_FORMATS, best_isa, gguf_dequantize_reference, matmul_reference
+from kernels.quantized_matmul import (
+    GGUF_FORMATS,
+    best_isa,
+    gguf_dequantize_reference,
+    has_avx512_bf16,
+    matmul_bf16_reference,
+    matmul_reference,
+)
 from tests.engine.test_quantized_models import random_blocks
 
 _ORDER = ("portable", "avx2", "avx512")
@@ -66,20 +76,97 @@ def test_weight_only_kernels_match_the_formula(bits):
 
 @pytest.mark.parametrize("tokens", [3, quantized_matmul.DEQUANTIZE_ABOVE_TOKENS + 5])
 def test_linear_in_bf16_on_both_sides_of_the_threshold(tokens):
+    """Both sides multiply the bf16-rounded weights where the CPU has AVX-512 BF16 (one numeric behaviour for a bf16
+    run); without it the kernel's side multiplies the float32 ones. Tolerance: one bf16 step of the output (2^-7)."""
     rows, columns = 21, 64
     weight = torch.from_numpy(random_blocks(rows, columns, "Q4_1", np.random.default_rng(2)))
     x = torch.randn(2, tokens, columns, generator=torch.Generator().manual_seed(3)).bfloat16()
     got = quantized_matmul.linear(x, weight, GGUF_FORMATS["Q4_1"][0], 0, columns)
-    expected = matmul_reference(x.reshape(-1, columns), gguf_dequantize_reference(weight, "Q4_1"))
+    dequantized = gguf_dequantize_reference(weight, "Q4_1")
+    bf16_weights = tokens * 2 > quantized_matmul.DEQUANTIZE_ABOVE_TOKENS or has_avx512_bf16()
+    reference = matmul_bf16_reference if bf16_weights else matmul_reference
+    expected = reference(x.reshape(-1, columns), dequantized)
     assert got.dtype == torch.bfloat16 and got.shape == (2, tokens, rows)
-    torch.testing.assert_close(got.reshape(-1, rows).float(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.reshape(-1, rows).float(), expected, rtol=2**-7, atol=1e-5)
+
+
+# Every format of the kernels, as (name, format id, group, columns, blocks of `rows` rows): GGUF's from gguf-py's
+# quantizers (random blocks for the K-quants); int8 / int4 groups of 8 over 40 columns (a row not whole 32s: the
+# bf16 path's masked tail); AWQ / GPTQ groups of 32.
+def _every_format(rows: int) -> list[tuple[str, int, int, int, torch.Tensor]]:
+    rng = np.random.default_rng(4)
+    cases = []
+    for name, (format_id, block_values, _) in GGUF_FORMATS.items():
+        columns = 3 * block_values
+        cases.append((name, format_id, 0, columns, torch.from_numpy(random_blocks(rows, columns, name, rng))))
+    weight = torch.randn(rows, 40, generator=torch.Generator().manual_seed(5))
+    cases.append(("INT8", quantized_matmul.INT8, 8, 40, quantize_rows(weight, 8, 8)))
+    cases.append(("INT4", quantized_matmul.INT4, 8, 40, quantize_rows(weight, 4, 8)))
+    from engine.quantization.w4a16 import Int4Piece, pack_uint4_zp
+
+    generator = torch.Generator().manual_seed(6)
+    piece = Int4Piece(torch.randint(0, 16, (rows, 96), generator=generator, dtype=torch.uint8),
+                      torch.randint(0, 17, (rows, 3), generator=generator, dtype=torch.uint8),
+                      (torch.rand(rows, 3, generator=generator) * 0.02 + 1e-3).half().float(), torch.arange(96) // 32)
+    cases.append(("UINT4_ZP", quantized_matmul.UINT4_ZP, 32, 96, pack_uint4_zp(piece, 32)))
+    return cases
+
+
+@pytest.fixture
+def bf16_path():
+    if not has_avx512_bf16():
+        pytest.skip("this CPU lacks AVX-512 BF16 (lscpu: avx512_bf16), so it has no avx512_bf16 path; bf16 x takes "
+                    "the float32 paths, tested above")
+
+
+@pytest.mark.parametrize("case", _every_format(37), ids=lambda case: case[0])
+def test_bf16_path_multiplies_the_bf16_rounded_weights(case, bf16_path):
+    """37 rows (two 16-row tiles and 5 rows: 4 + 1), tokens 1..33 (4 at a time and every remainder). The weights are
+    exactly `dequantize(w).to(bf16)`: x one-hot (each product exact, the rest +0) reads them back bit for bit. Against
+    the float32 matmul of bf16 x and those weights: every product is exact in float32, so the two differ only by
+    the order of the float32 sums (the kernel's 16 lanes of pairs, then the lanes): tolerance rtol 1e-5 and
+    1e-5 * sqrt(columns) absolute, as the float32 paths'."""
+    name, format_id, group, columns, weight = case
+    dequantized = quantized_matmul.dequantize(weight, format_id, group, columns)
+    one_hot = torch.eye(columns, dtype=torch.bfloat16)
+    got = quantized_matmul.matmul(one_hot, weight, format_id, group, "avx512_bf16")
+    assert torch.equal(got, dequantized.to(torch.bfloat16).float().T)
+    generator = torch.Generator().manual_seed(7)
+    for tokens in range(1, 34):
+        x = torch.randn(tokens, columns, generator=generator).bfloat16()
+        got = quantized_matmul.matmul(x, weight, format_id, group, "avx512_bf16")
+        torch.testing.assert_close(got, matmul_bf16_reference(x, dequantized), rtol=1e-5,
+                                   atol=1e-5 * columns ** 0.5, msg=f"{name}, {tokens} tokens")
+        assert torch.equal(quantized_matmul.matmul(x, weight, format_id, group), got)  # what auto takes for bf16 x
+
+
+def test_bf16_x_without_the_bf16_path_takes_float32():
+    """Asked for a float32 path, or `auto` on a CPU without AVX-512 BF16: x to float32, the float32 weights, the
+    same numbers as float32 x; float32 x never takes the bf16 path."""
+    weight = torch.from_numpy(random_blocks(21, 64, "Q8_0", np.random.default_rng(8)))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
+    format_id = GGUF_FORMATS["Q8_0"][0]
+    for isa in _paths():
+        assert torch.equal(quantized_matmul.matmul(x, weight, format_id, 0, isa),
+                           quantized_matmul.matmul(x.float(), weight, format_id, 0, isa)), isa
+    assert torch.equal(quantized_matmul.matmul(x.float(), weight, format_id, 0),
+                       quantized_matmul.matmul(x.float(), weight, format_id, 0, best_isa()))
+    if not has_avx512_bf16():
+        assert torch.equal(quantized_matmul.matmul(x, weight, format_id, 0),
+                           quantized_matmul.matmul(x.float(), weight, format_id, 0, best_isa()))
+    with pytest.raises(RuntimeError, match="the avx512_bf16 path multiplies bf16 x"):
+        quantized_matmul.matmul(x.float(), weight, format_id, 0, "avx512_bf16")
 
 
 def test_a_path_the_cpu_lacks_is_refused():
-    if best_isa() == "avx512":
+    if has_avx512_bf16():
         pytest.skip("this CPU runs every path")
-    with pytest.raises(RuntimeError, match="this CPU cannot run the avx512 path"):
-        quantized_matmul.dequantize(torch.zeros(1, 34, dtype=torch.uint8), GGUF_FORMATS["Q8_0"][0], 0, 32, "avx512")
+    weight, format_id = torch.zeros(1, 34, dtype=torch.uint8), GGUF_FORMATS["Q8_0"][0]
+    with pytest.raises(RuntimeError, match="this CPU cannot run the avx512_bf16 path"):
+        quantized_matmul.matmul(torch.zeros(1, 32, dtype=torch.bfloat16), weight, format_id, 0, "avx512_bf16")
+    if best_isa() != "avx512":
+        with pytest.raises(RuntimeError, match="this CPU cannot run the avx512 path"):
+            quantized_matmul.dequantize(weight, format_id, 0, 32, "avx512")
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
