@@ -16,14 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from bench.vision_models import QWEN_WORDS, image, qwen_processor
 from engine import LLM, SamplingParams
-from engine.llm import conversation_images
 from engine.llm_engine import LLMEngine
 from engine.multimodal import ImageInput
 from engine.multimodal.positions import chunk_positions, position_shift
 from engine.multimodal.prompt import expand_image_prompt
 from engine.outputs import RequestOutput
 from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
-from tests.engine.vision_oracle import hf_greedy_run, user
+from tests.engine.vision_oracle import first_tokens as tokens, hf_greedy_run, step_chats, user
 
 pytestmark = pytest.mark.slow
 
@@ -91,18 +90,7 @@ def assert_equal_to_hf(outputs: list[RequestOutput], runs: list[tuple[list[int],
 
 
 def chat(engine: LLMEngine, conversations: list[list[dict]]) -> list[RequestOutput]:
-    """Every conversation as one request (images from its image parts), stepped to the end, in order."""
-    for index, conversation in enumerate(conversations):
-        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conversation), add_special_tokens=False)
-        engine.add_request(str(index), ids, greedy(), images=conversation_images(conversation))
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    return [done[str(i)] for i in range(len(conversations))]
-
-
-def tokens(outputs: list[RequestOutput]) -> list[list[int]]:
-    return [output.outputs[0].token_ids for output in outputs]
+    return step_chats(engine, conversations, greedy())
 
 
 def test_preprocessing_positions_and_encoder_equal_transformers(folder: Path, processor, hf_model) -> None:

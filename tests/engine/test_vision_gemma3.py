@@ -21,7 +21,7 @@ from engine.multimodal import ImageInput
 from engine.outputs import RequestOutput
 from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.engine.test_vision_models import relayout
-from tests.engine.vision_oracle import hf_greedy_run, user
+from tests.engine.vision_oracle import first_tokens as tokens, hf_greedy_run, step_chats, user
 
 pytestmark = pytest.mark.slow
 
@@ -70,20 +70,7 @@ def greedy() -> SamplingParams:
 
 
 def chat(engine: LLMEngine, conversations: list[list[dict]]) -> list[RequestOutput]:
-    """Every conversation as one request (images from its image parts), stepped to the end, in order."""
-    from engine.llm import conversation_images
-
-    for index, conversation in enumerate(conversations):
-        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conversation), add_special_tokens=False)
-        engine.add_request(str(index), ids, greedy(), images=conversation_images(conversation))
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    return [done[str(i)] for i in range(len(conversations))]
-
-
-def tokens(outputs: list[RequestOutput]) -> list[list[int]]:
-    return [output.outputs[0].token_ids for output in outputs]
+    return step_chats(engine, conversations, greedy())
 
 
 def test_preprocessing_prompt_and_encoder_equal_transformers(gemma3: Path) -> None:
