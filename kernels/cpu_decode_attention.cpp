@@ -194,19 +194,11 @@ static void decode_kernel_bf16(
     int64_t rows[2][kSpan];                 // this span's and the next one's rows: offsets into the caches
     alignas(64) uint32_t pairs[kSpan / 2];  // bf16 probabilities of positions 2i and 2i + 1
     __m512i values[kSpan / 2 * kLanes];     // value rows 2i and 2i + 1 interleaved
-    // A sliding window attends the last `window` positions; blocks before them may be freed (-1).
-    const auto first_position = [&](int64_t seq) {
-      return window > 0 ? std::max<int64_t>(0, seq_lens[seq] - window) : int64_t{0};
-    };
+    const auto first_position = [&](int64_t seq) { return paged_rows::first_position(seq_lens[seq], window); };
     // The cache offsets of sequence seq's positions from `begin`, up to a span's worth; returns their count.
     const auto locate = [&](int64_t seq, int64_t begin, int64_t* span_rows) {
-      const int32_t* table = block_tables + seq * max_blocks;
-      const int64_t count = std::min<int64_t>(kSpan, seq_lens[seq] - begin);
-      for (int64_t t = 0, b = begin / block_size, slot = begin % block_size; t < count; ++t) {
-        span_rows[t] = (table[b] * block_size + slot) * slot_stride;
-        if (++slot == block_size) slot = 0, ++b;
-      }
-      return std::max<int64_t>(0, count);
+      return paged_rows::locate(block_tables + seq * max_blocks, block_size, slot_stride, seq_lens[seq], begin, kSpan,
+                                span_rows);
     };
     // The sequence after this one is claimed a sequence ahead, for the last span to prefetch its first.
     int64_t span = 0;

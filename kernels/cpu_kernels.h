@@ -18,6 +18,8 @@
 #include <tuple>
 #include <vector>
 
+#include "paged_rows.h"  // the decode attention's first_position, locate
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
     defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -19,6 +19,8 @@
 #include <immintrin.h>
 #endif
 
+#include "paged_rows.h"  // first_position, locate
+
 namespace kv_int8_decode {
 
 // Below any real score, and finite. exp2(kNoScore - score) is exactly 0.

@@ -45,17 +45,10 @@ void decode(const q_t* query, int64_t query_row_stride, int64_t query_head_strid
     alignas(64) float keys[kSpan * kDim], values[kSpan * kDim];
     alignas(64) float k_scale[kSpan] = {}, v_scale[kSpan] = {}, s[kSpan] = {}, p[kSpan] = {};
     int64_t rows[2][kSpan];  // this span's and the next one's rows: offsets into the caches
-    const auto first_position = [&](int64_t seq) {  // a window's first; blocks before it may be freed (-1)
-      return window > 0 ? std::max<int64_t>(0, seq_lens[seq] - window) : int64_t{0};
-    };
+    const auto first_position = [&](int64_t seq) { return paged_rows::first_position(seq_lens[seq], window); };
     const auto locate = [&](int64_t seq, int64_t begin, int64_t* span_rows) {
-      const int32_t* table = block_tables + seq * max_blocks;
-      const int64_t count = std::min<int64_t>(kSpan, seq_lens[seq] - begin);
-      for (int64_t t = 0, b = begin / block_size, slot = begin % block_size; t < count; ++t) {
-        span_rows[t] = (table[b] * block_size + slot) * slot_stride;
-        if (++slot == block_size) slot = 0, ++b;
-      }
-      return std::max<int64_t>(0, count);
+      return paged_rows::locate(block_tables + seq * max_blocks, block_size, slot_stride, seq_lens[seq], begin, kSpan,
+                                span_rows);
     };
     int64_t span = 0;
     for (int64_t seq = next_seq++, following; seq < num_seqs; seq = following) {
