@@ -100,6 +100,44 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, is
     return load_quantized_kernels().matmul(x, weight, format_id, group, isa)
 
 
+# int8 activations (`matmul_int8`, llama.cpp's way): each token's values are quantized in blocks of this many input
+# features, one float32 scale a block.
+ACTIVATION_BLOCK = 32
+Activations = Literal["int8"] | None  # None: x as it is (the model's dtype)
+
+
+def matmul_int8(x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, isa: Isa = "auto") -> torch.Tensor:
+    """x [tokens, columns] float32 or bf16, quantized to int8 by `quantize_activations_reference`'s rule, @
+    dequantize(weight).T -> [tokens, rows] float32, with integer dot products on the blocks' quants (see
+    quantized_matmul_int8.h). Equals `matmul_int8_reference` up to float32 summation order."""
+    return load_quantized_kernels().matmul_int8(x, weight, format_id, group, isa)
+
+
+def int8_path() -> str:
+    """The path `matmul_int8(isa="auto")` runs on this CPU: avx512_vnni, avx2 or portable."""
+    return load_quantized_kernels().int8_path()
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, columns] (columns a multiple of ACTIVATION_BLOCK) as int8 quants [tokens, columns] and float32
+    scales [tokens, columns / ACTIVATION_BLOCK]: per block, scale = max |x| / 127 and q = round(x / scale), halves to
+    even, in float32 (a block of zeros: scale 0, q 0). The kernels compute exactly these."""
+    tokens, columns = x.shape
+    blocks = x.float().reshape(tokens, columns // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    scales = blocks.abs().amax(dim=-1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    quants = torch.where(scales[..., None] > 0, torch.round(blocks / safe[..., None]), 0.0).clamp(-127, 127)
+    return quants.to(torch.int8).reshape(tokens, columns), scales
+
+
+def matmul_int8_reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
+    """The oracle of `matmul_int8`: x's int8 quants times their scales, times the dequantized weight, in float64."""
+    quants, scales = quantize_activations_reference(x)
+    tokens, columns = quants.shape
+    values = quants.double().reshape(tokens, -1, ACTIVATION_BLOCK) * scales.double()[..., None]
+    return (values.reshape(tokens, columns) @ dequantized.double().T).float()
+
+
 def gguf_dequantize_reference(weight: torch.Tensor, name: str) -> torch.Tensor:
     """gguf-py's float32 values of GGUF blocks [rows, row_bytes] of type `name`."""
     import gguf
@@ -123,13 +161,18 @@ def matmul_bf16_reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.T
 DEQUANTIZE_ABOVE_TOKENS = 32
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, columns: int) -> torch.Tensor:
-    """x [..., columns] @ dequantize(weight).T in x's dtype, for a layer: the on-the-fly kernel for decode-size
-    steps, dequantize-then-matmul (torch's, in x's dtype) for large ones. In a bf16 run both multiply the weights
-    rounded to bf16 where the CPU has AVX-512 BF16; without it the kernel's steps multiply the float32 weights (x
-    converted to float32) and only the large steps the bf16-rounded ones. float32 runs: float32 weights throughout."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, columns: int, activations: Activations = None
+) -> torch.Tensor:
+    """x [..., columns] @ dequantize(weight).T in x's dtype, for a layer. activations None: the on-the-fly kernel
+    for decode-size steps, dequantize-then-matmul (torch's, in x's dtype) for large ones. In a bf16 run both
+    multiply the weights rounded to bf16 where the CPU has AVX-512 BF16; without it the kernel's steps multiply the
+    float32 weights (x converted to float32) and only the large steps the bf16-rounded ones. float32 runs: float32
+    weights throughout. activations "int8": every step quantizes x to int8 (`matmul_int8`), whatever its size."""
     tokens = x.reshape(-1, columns)
-    if tokens.shape[0] > DEQUANTIZE_ABOVE_TOKENS:
+    if activations == "int8":
+        out = matmul_int8(tokens.contiguous(), weight, format_id, group).to(x.dtype)
+    elif tokens.shape[0] > DEQUANTIZE_ABOVE_TOKENS:
         out = torch.nn.functional.linear(tokens, dequantize(weight, format_id, group, columns).to(x.dtype))
     else:
         tokens = tokens if tokens.dtype == torch.bfloat16 else tokens.float()
