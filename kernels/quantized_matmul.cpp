@@ -167,7 +167,8 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, int64_t kind, i
 }
 
 // A quantized weight [rows, row_bytes] repacked for the int8-activation kernels (quantized_matmul_int8.h): uint8
-// quants [tiles, tile bytes], float32 scales and offsets (mins) [tiles, sub-blocks, kTileRows]. Once, at load.
+// quants [tiles, tile bytes], float32 scales [tiles, sub-blocks, kTileRows] and offsets (mins) likewise, [0] for the
+// formats whose zero point is the same in every block (int8_has_min). Once, at load.
 std::vector<at::Tensor> pack_int8(const at::Tensor& weight, int64_t kind, int64_t group, int64_t columns) {
   const Format format = format_of(kind, group);
   check_weight(weight, format, columns);
@@ -179,7 +180,8 @@ std::vector<at::Tensor> pack_int8(const at::Tensor& weight, int64_t kind, int64_
   const int64_t subs = columns / sub, tile_bytes = kTileRows * columns * quantized_matmul::int8_bits(format.kind) / 8;
   auto quants = at::empty({tiles, tile_bytes}, at::kByte);
   auto scales = at::empty({tiles, subs, kTileRows}, at::kFloat);
-  auto mins = at::empty({tiles, subs, kTileRows}, at::kFloat);
+  const bool has_min = quantized_matmul::int8_has_min(format.kind);
+  auto mins = has_min ? at::empty({tiles, subs, kTileRows}, at::kFloat) : at::empty({0}, at::kFloat);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
     for (int64_t tile = first; tile < last; ++tile) {
@@ -187,7 +189,7 @@ std::vector<at::Tensor> pack_int8(const at::Tensor& weight, int64_t kind, int64_
       quantized_matmul::isa_portable::int8_kernels.pack_tile(
           format, w + n0 * row_bytes, row_bytes, columns, std::min(kTileRows, rows - n0),
           quants.data_ptr<uint8_t>() + tile * tile_bytes, scales.data_ptr<float>() + tile * subs * kTileRows,
-          mins.data_ptr<float>() + tile * subs * kTileRows);
+          has_min ? mins.data_ptr<float>() + tile * subs * kTileRows : nullptr);
     }
   });
   return {quants, scales, mins};
@@ -207,7 +209,7 @@ at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::
               quants.is_contiguous() && quants.dim() == 2 && quants.size(0) == tiles &&
               quants.size(1) == kTileRows * columns * quantized_matmul::int8_bits(format.kind) / 8 &&
               scales.is_contiguous() && scales.numel() == tiles * subs * kTileRows && mins.is_contiguous() &&
-              mins.numel() == scales.numel(),
+              mins.numel() == (quantized_matmul::int8_has_min(format.kind) ? scales.numel() : 0),
               "packed weight does not match x's columns, the rows or the format (pack it with pack_int8)");
   const quantized_matmul::Int8Kernels& kernels = int8_kernels(isa_choice);
   const int64_t blocks = columns / quantized_matmul::kActivationBlock;

@@ -77,9 +77,21 @@ struct Int8Activations {
 };
 
 // A weight repacked for the int8 dot products (quantized_matmul_int8.h's layout): per tile of kTileRows rows,
-// its unsigned quants u, then per sub-block the tile's scales d and offsets m (float32, kTileRows each); a value
-// is d * u + m.
+// its unsigned quants u, then per sub-block the tile's scales d and, for the formats with a min or a zero point per
+// group, offsets m (float32, kTileRows each); a value is d * (u - int8_offset(kind)) + m.
 inline int int8_sub_block(Kind kind) { return kind == Kind::Q6_K ? 16 : 32; }  // values per (d, m)
+inline bool int8_has_min(Kind kind) {
+  return kind == Kind::Q4_1 || kind == Kind::Q5_1 || kind == Kind::Q4_K || kind == Kind::Q5_K || kind == Kind::UINT4_ZP;
+}
+inline int int8_offset(Kind kind) {  // the other formats' zero point, the same for every block
+  switch (kind) {
+    case Kind::Q4_0: case Kind::INT4: return 8;
+    case Kind::Q5_0: return 16;
+    case Kind::Q6_K: return 32;
+    case Kind::Q8_0: case Kind::INT8: return 128;
+    default: return 0;
+  }
+}
 inline int int8_bits(Kind kind) {  // 4: two quants a byte; 8: one (the 5- and 6-bit formats too)
   return kind == Kind::Q4_0 || kind == Kind::Q4_1 || kind == Kind::Q4_K || kind == Kind::INT4 ||
          kind == Kind::UINT4_ZP ? 4 : 8;
@@ -87,7 +99,7 @@ inline int int8_bits(Kind kind) {  // 4: two quants a byte; 8: one (the 5- and 6
 
 // One instruction set's int8-activation kernels (quantized_matmul_int8.h). quantize_activations: x [tokens,
 // columns] (float32, or bf16 bits where x16 is given instead) as above. pack_tile: weight rows [0, rows) (rows <=
-// kTileRows; the rest zeros) into one tile's quants, scales and offsets (mins). matmul_tiles: out[:, 16 * first_tile ..) =
+// kTileRows; the rest zeros) into one tile's quants, scales and (int8_has_min) offsets m. matmul_tiles: out[:, 16 * first_tile ..) =
 // x @ dequantize(tiles [first_tile, last_tile)).T, up to `rows` output rows.
 struct Int8Kernels {
   void (*quantize_activations)(const float* x32, const uint16_t* x16, int64_t tokens, int64_t columns,

@@ -10,22 +10,22 @@
 // in float32: exactly kernels/quantized_matmul.py's quantize_activations_reference; and scale * sum(q) per 16 and
 // per 32 values.
 //
-// Weights, repacked once at load (pack_tile): every format's values are d * u + m per sub-block of 32 values (Q6_K:
-// 16), u an unsigned quant of at most 8 bits and d, m float32, m holding the format's zero point: Q4_0 / int4
-// m = -8 d; Q5_0 -16 d; Q6_K d = super-block d * int8 scale, m = -32 d; Q8_0 / int8 u = q + 128, m = -128 d; Q4_1 /
-// Q5_1 m = the block's min; Q4_K / Q5_K the sub-block's d = super-block d * 6-bit scale, m = -(dmin * 6-bit min);
-// AWQ / GPTQ m = -(zero point * scale). Each is exact in float32 (a power of two, or the product the dequantization
-// itself computes: quantized_matmul_body.h), so d * u + m are the dequantized values exactly. A tile of 16 rows keeps
+// Weights, repacked once at load (pack_tile): every format's values are d * (u - offset) + m per sub-block of 32
+// values (Q6_K: 16), u an unsigned quant of at most 8 bits, offset the format's zero point where every block has the
+// same (int8_offset: Q4_0 / int4 8, Q5_0 16, Q6_K 32, Q8_0 / int8 128 with u = q + 128), d and m float32: Q6_K
+// d = super-block d * int8 scale; Q4_1 / Q5_1 m = the block's min; Q4_K / Q5_K the sub-block's d = super-block d *
+// 6-bit scale, m = -(dmin * 6-bit min); AWQ / GPTQ m = -(zero point * scale); the others m = 0, not stored. These
+// are the dequantized values exactly (the same products quantized_matmul_body.h computes). A tile of 16 rows keeps
 // its quants in the order the dot product reads them: 8-bit, byte 64 j + 4 r + c is row r's value 4 j + c (dword j
 // of the 16 rows in one vector); 4-bit, byte 64 i + 4 r + c holds row r's values 8 i + c (low nibble) and
 // 8 i + 4 + c (high).
 //
 // Then per token and sub-block, one lane per row: S = sum(u * q) exactly in int32 (vpdpbusd: unsigned u by signed
-// q), and out += float(S) * (d * scale_x) + m * (scale_x * sum(q)): four vector instructions a sub-block and token
-// besides the dot products, all reading their scalars from memory. The roundings are those float32 products and
-// sums, where the two terms partly cancel (a zero point's m against its d * u): the result is the float64 product of
-// the quantized x and the dequantized weights to about float32's precision of the terms' magnitudes, in another order
-// (quantized_matmul.py's matmul_int8_reference).
+// q), and out += float(S) * (d * scale_x) + m * (scale_x * sum(q)), or d * (scale_x * float(S) - offset * scale_x *
+// sum(q)): four vector instructions a sub-block and token besides the dot products, their scalars read from memory.
+// The roundings are those float32 products and sums, where the two terms partly cancel: the result is the float64
+// product of the quantized x and the dequantized weights to about float32's precision of the terms' magnitudes, in
+// another order (quantized_matmul.py's matmul_int8_reference).
 
 typedef float int8_vf16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t int8_vi16 __attribute__((vector_size(64), aligned(4)));
@@ -96,19 +96,8 @@ static void quantize_activations(const float* x32, const uint16_t* x16, int64_t 
   }
 }
 
-// The format's constant zero point, which pack_tile moves into m (m - offset * d).
-static inline int int8_offset(Kind kind) {
-  switch (kind) {
-    case Kind::Q4_0: case Kind::INT4: return 8;
-    case Kind::Q5_0: return 16;
-    case Kind::Q6_K: return 32;
-    case Kind::Q8_0: case Kind::INT8: return 128;
-    default: return 0;
-  }
-}
-
-// One weight row's unsigned quants u (`columns` of them), with each sub-block's d and m (before the zero point's
-// share) written `stride` floats apart (a tile keeps its 16 rows' values of a sub-block together).
+// One weight row's unsigned quants u (`columns` of them), with each sub-block's d and m (0 for the formats without
+// a min) written `stride` floats apart (a tile keeps its 16 rows' values of a sub-block together).
 static void int8_unpack_row(const Format& format, const uint8_t* row, int64_t columns, uint8_t* u, float* d, float* m,
                             int64_t stride) {
   const int64_t blocks = columns / format.block_values;
@@ -222,11 +211,11 @@ static void pack_tile(const Format& format, const uint8_t* weight, int64_t row_b
                       uint8_t* quants, float* scales, float* mins) {
   const int64_t subs = columns / int8_sub_block(format.kind);
   uint8_t* staging = new uint8_t[kTileRows * columns]();
-  for (int64_t s = 0; s < subs * kTileRows; ++s) scales[s] = mins[s] = 0.0f;
+  float* zeros = int8_has_min(format.kind) ? nullptr : new float[subs * kTileRows];  // their m: all 0
+  float* m = zeros ? zeros : mins;
+  for (int64_t s = 0; s < subs * kTileRows; ++s) scales[s] = m[s] = 0.0f;
   for (int64_t r = 0; r < rows; ++r)
-    int8_unpack_row(format, weight + r * row_bytes, columns, staging + r * columns, scales + r, mins + r, kTileRows);
-  const float offset = (float)int8_offset(format.kind);
-  for (int64_t s = 0; s < subs * kTileRows; ++s) mins[s] -= offset * scales[s];  // exact: see the top
+    int8_unpack_row(format, weight + r * row_bytes, columns, staging + r * columns, scales + r, m + r, kTileRows);
   for (int64_t r = 0; r < kTileRows; ++r) {
     const uint8_t* u = staging + r * columns;
     if (int8_bits(format.kind) == 8) {
@@ -237,6 +226,7 @@ static void pack_tile(const Format& format, const uint8_t* weight, int64_t row_b
     }
   }
   delete[] staging;
+  delete[] zeros;
 }
 
 #ifdef INT8_VNNI
@@ -249,8 +239,8 @@ static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t* x) 
 }
 
 // out[t0 .. t0 + MT, 0 .. rows) for MT tokens and one tile's 16 rows (an int32 / float32 lane each).
-template <int MT, int kBits, int kSub>
-static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, int64_t s_begin,
+template <int MT, int kBits, int kSub, bool kMin>
+static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
                               int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
                               float* out, int64_t ldo, int64_t rows) {
   const int64_t xblocks = columns / kActivationBlock;
@@ -274,13 +264,20 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
         multiply(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles), k0 + 8 * i + 4);
       }
     }
-    const __m512 ds = _mm512_loadu_ps(d + s * kTileRows), ms = _mm512_loadu_ps(m + s * kTileRows);
+    const __m512 ds = _mm512_loadu_ps(d + s * kTileRows);
     const float* scaled_sums = kSub == 32 ? x.scaled_sums32 + s : x.scaled_sums16 + s;
     const int64_t xb = k0 / kActivationBlock, sums_per_token = columns / kSub;
     for (int t = 0; t < MT; ++t) {
       const __m512 scale = _mm512_set1_ps(x.scales[(t0 + t) * xblocks + xb]);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(ds, scale), acc[t]);
-      acc[t] = _mm512_fmadd_ps(ms, _mm512_set1_ps(scaled_sums[(t0 + t) * sums_per_token]), acc[t]);
+      const __m512 scaled_sum = _mm512_set1_ps(scaled_sums[(t0 + t) * sums_per_token]);
+      if constexpr (kMin) {
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(ds, scale), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(m + s * kTileRows), scaled_sum, acc[t]);
+      } else {  // d * (scale * S - offset * scale * sum(q))
+        const __m512 shifted = _mm512_fnmadd_ps(_mm512_set1_ps(offset), scaled_sum,
+                                                _mm512_mul_ps(_mm512_cvtepi32_ps(dot[t]), scale));
+        acc[t] = _mm512_fmadd_ps(ds, shifted, acc[t]);
+      }
     }
   }
   for (int t = 0; t < MT; ++t) _mm512_mask_storeu_ps(out + (t0 + t) * ldo, mask, acc[t]);
@@ -298,8 +295,8 @@ static inline V int8_load(const T* p) {
 
 // The same for any instruction set, in plain vector arithmetic (GCC lowers it to the target's width): each dword's
 // four quants widened to int32 lanes and multiplied by the token's.
-template <int MT, int kBits, int kSub>
-static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, int64_t s_begin,
+template <int MT, int kBits, int kSub, bool kMin>
+static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
                               int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
                               float* out, int64_t ldo, int64_t rows) {
   const int64_t xblocks = columns / kActivationBlock;
@@ -329,12 +326,17 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
         multiply((packed >> 4) & 0x0F0F0F0F, k0 + 8 * i + 4);
       }
     }
-    const int8_vf ds = int8_load<int8_vf>(d + s * kTileRows), ms = int8_load<int8_vf>(m + s * kTileRows);
+    const int8_vf ds = int8_load<int8_vf>(d + s * kTileRows);
     const float* scaled_sums = kSub == 32 ? x.scaled_sums32 + s : x.scaled_sums16 + s;
     const int64_t xb = k0 / kActivationBlock, sums_per_token = columns / kSub;
     for (int t = 0; t < MT; ++t) {
-      acc[t] += __builtin_convertvector(dot[t], int8_vf) * (ds * x.scales[(t0 + t) * xblocks + xb]);
-      acc[t] += ms * scaled_sums[(t0 + t) * sums_per_token];
+      const float scale = x.scales[(t0 + t) * xblocks + xb], scaled_sum = scaled_sums[(t0 + t) * sums_per_token];
+      if constexpr (kMin) {
+        acc[t] += __builtin_convertvector(dot[t], int8_vf) * (ds * scale);
+        acc[t] += int8_load<int8_vf>(m + s * kTileRows) * scaled_sum;
+      } else {
+        acc[t] += ds * (__builtin_convertvector(dot[t], int8_vf) * scale - offset * scaled_sum);
+      }
     }
   }
   for (int t = 0; t < MT; ++t)
@@ -347,38 +349,41 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
 // of 576-value rows).
 constexpr int64_t kChunkColumns = 512;
 
-template <int kBits, int kSub>
+template <int kBits, int kSub, bool kMin>
 static void int8_tiles(const Int8Activations& x, const uint8_t* quants, const float* scales, const float* mins,
-                       int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows, float* out) {
+                       float offset, int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows, float* out) {
   const int64_t subs = columns / kSub, tile_bytes = kTileRows * columns * kBits / 8, chunk = kChunkColumns / kSub;
   constexpr int kTokens = 8;  // tokens a pass: 8 int32 and 8 float32 accumulators of 16 lanes
   for (int64_t tile = first_tile; tile < last_tile; ++tile) {
     const uint8_t* q = quants + tile * tile_bytes;
     const float* d = scales + tile * subs * kTileRows;
-    const float* m = mins + tile * subs * kTileRows;
+    const float* m = kMin ? mins + tile * subs * kTileRows : nullptr;
     const int64_t n0 = tile * kTileRows, tile_rows = rows - n0 < kTileRows ? rows - n0 : kTileRows;
     for (int64_t s0 = 0; s0 < subs; s0 += chunk) {
       const int64_t s1 = s0 + chunk < subs ? s0 + chunk : subs;
       const bool accumulate = s0 > 0;
       int64_t t = 0;
       for (; t + kTokens <= x.tokens; t += kTokens)
-        int8_micro<kTokens, kBits, kSub>(q, d, m, s0, s1, accumulate, x, t, columns, out + n0, rows,
+        int8_micro<kTokens, kBits, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows,
                                                          tile_rows);
       for (; t + 4 <= x.tokens; t += 4)
-        int8_micro<4, kBits, kSub>(q, d, m, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
+        int8_micro<4, kBits, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
       for (; t < x.tokens; ++t)
-        int8_micro<1, kBits, kSub>(q, d, m, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
+        int8_micro<1, kBits, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
     }
   }
 }
 
-// The loop above instantiated for the format's bits a quant and values a sub-block.
+// The loop above instantiated for the format's bits a quant, values a sub-block and offsets.
 static void matmul_tiles(const Format& format, const Int8Activations& x, const uint8_t* quants, const float* scales,
                          const float* mins, int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows,
                          float* out) {
-  if (int8_bits(format.kind) == 4) int8_tiles<4, 32>(x, quants, scales, mins, columns, first_tile, last_tile, rows, out);
-  else if (int8_sub_block(format.kind) == 16) int8_tiles<8, 16>(x, quants, scales, mins, columns, first_tile, last_tile, rows, out);
-  else int8_tiles<8, 32>(x, quants, scales, mins, columns, first_tile, last_tile, rows, out);
+  const float offset = (float)int8_offset(format.kind);
+  const auto run = [&](auto tiles) { tiles(x, quants, scales, mins, offset, columns, first_tile, last_tile, rows, out); };
+  const bool has_min = int8_has_min(format.kind);
+  if (int8_bits(format.kind) == 4) has_min ? run(int8_tiles<4, 32, true>) : run(int8_tiles<4, 32, false>);
+  else if (int8_sub_block(format.kind) == 16) run(int8_tiles<8, 16, false>);  // Q6_K
+  else has_min ? run(int8_tiles<8, 32, true>) : run(int8_tiles<8, 32, false>);
 }
 
 // This instruction set's int8-activation kernels, for quantized_matmul.cpp (quantized_matmul.h).
