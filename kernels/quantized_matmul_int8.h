@@ -30,21 +30,16 @@
 typedef float int8_vf16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t int8_vi16 __attribute__((vector_size(64), aligned(4)));
 typedef uint32_t int8_vu16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t int8_vh16 __attribute__((vector_size(32), aligned(2)));
 typedef int8_t int8_vb16 __attribute__((vector_size(16), aligned(1)));
 
-// 16 values of x from float32 or from bf16 bits.
+typedef float int8_vf16_alias __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t int8_vh16_alias __attribute__((vector_size(32), aligned(2), may_alias));
+
+// 16 values of x from float32 or from bf16 bits (plain vector loads: see quantized_matmul_body.h's `load`).
 static inline int8_vf16 int8_load_x(const float* x32, const uint16_t* x16, int64_t at) {
-  int8_vf16 v;
-  if (x16 != nullptr) {
-    int8_vh16 h;
-    __builtin_memcpy(&h, x16 + at, sizeof(h));
-    const int8_vu16 bits = __builtin_convertvector(h, int8_vu16) << 16;
-    __builtin_memcpy(&v, &bits, sizeof(v));
-  } else {
-    __builtin_memcpy(&v, x32 + at, sizeof(v));
-  }
-  return v;
+  if (x16 == nullptr) return *reinterpret_cast<const int8_vf16_alias*>(x32 + at);
+  const int8_vu16 bits = __builtin_convertvector(*reinterpret_cast<const int8_vh16_alias*>(x16 + at), int8_vu16) << 16;
+  return (int8_vf16)bits;  // a cast between vector types of one size keeps the bits
 }
 
 static inline float int8_max_abs(int8_vf16 a, int8_vf16 b) {
@@ -286,12 +281,12 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
 typedef int32_t int8_vi __attribute__((vector_size(kTileRows * 4), aligned(4)));
 typedef float int8_vf __attribute__((vector_size(kTileRows * 4), aligned(4)));
 
-template <typename V, typename T>
-static inline V int8_load(const T* p) {
-  V v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
+typedef int32_t int8_vi_alias __attribute__((vector_size(kTileRows * 4), aligned(4), may_alias));
+typedef float int8_vf_alias __attribute__((vector_size(kTileRows * 4), aligned(4), may_alias));
+
+// Plain vector loads, not memcpy (see quantized_matmul_body.h's `load`).
+static inline int8_vi int8_load_ints(const void* p) { return *reinterpret_cast<const int8_vi_alias*>(p); }
+static inline int8_vf int8_load_floats(const float* p) { return *reinterpret_cast<const int8_vf_alias*>(p); }
 
 // The same for any instruction set, in plain vector arithmetic (GCC lowers it to the target's width): each dword's
 // four quants widened to int32 lanes and multiplied by the token's.
@@ -318,22 +313,22 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
       }
     };
     if constexpr (kBits == 8) {
-      for (int j = 0; j < kSub / 4; ++j) multiply(int8_load<int8_vi>(quants + (k0 / 4 + j) * 64), k0 + 4 * j);
+      for (int j = 0; j < kSub / 4; ++j) multiply(int8_load_ints(quants + (k0 / 4 + j) * 64), k0 + 4 * j);
     } else {
       for (int i = 0; i < kSub / 8; ++i) {
-        const int8_vi packed = int8_load<int8_vi>(quants + (k0 / 8 + i) * 64);
+        const int8_vi packed = int8_load_ints(quants + (k0 / 8 + i) * 64);
         multiply(packed & 0x0F0F0F0F, k0 + 8 * i);
         multiply((packed >> 4) & 0x0F0F0F0F, k0 + 8 * i + 4);
       }
     }
-    const int8_vf ds = int8_load<int8_vf>(d + s * kTileRows);
+    const int8_vf ds = int8_load_floats(d + s * kTileRows);
     const float* scaled_sums = kSub == 32 ? x.scaled_sums32 + s : x.scaled_sums16 + s;
     const int64_t xb = k0 / kActivationBlock, sums_per_token = columns / kSub;
     for (int t = 0; t < MT; ++t) {
       const float scale = x.scales[(t0 + t) * xblocks + xb], scaled_sum = scaled_sums[(t0 + t) * sums_per_token];
       if constexpr (kMin) {
         acc[t] += __builtin_convertvector(dot[t], int8_vf) * (ds * scale);
-        acc[t] += int8_load<int8_vf>(m + s * kTileRows) * scaled_sum;
+        acc[t] += int8_load_floats(m + s * kTileRows) * scaled_sum;
       } else {
         acc[t] += ds * (__builtin_convertvector(dot[t], int8_vf) * scale - offset * scaled_sum);
       }
