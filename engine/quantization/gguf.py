@@ -4,7 +4,8 @@ blocks of one output feature. The import (engine/gguf_import.py) copies the bloc
 safetensors as uint8 [rows, row_bytes] tensors and names each tensor's type in config.json; `GGUFTensor` carries
 one into loading. Projections keep the blocks and multiply them with kernels/quantized_matmul, which dequantizes
 on the fly to exactly gguf-py's float32 values (in a bf16 run on a CPU with AVX-512 BF16, those rounded to bf16,
-the weights of its large steps too); every other destination (embeddings, MoE experts) reads the
+the weights of its large steps too), or, with int8 activations, by integer dot products of the blocks' quants and
+the tokens' int8 quants; every other destination (embeddings, MoE experts) reads the
 tensor dequantized, exactly, into its dtype. Fused projections whose parts differ in type (a Q4_K_M file's Q6_K
 attn_v beside Q4_K q and k) keep one piece per type, run one after the other."""
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from engine.checkpoint import CheckpointTensor, full_shape
 from kernels import quantized_matmul
-from kernels.quantized_matmul import GGUF_FORMATS
+from kernels.quantized_matmul import GGUF_FORMATS, Activations
 
 # The quantized GGUF types kept as blocks; the float types (F32, F16, BF16) are read as float tensors.
 SUPPORTED_TYPES: tuple[str, ...] = tuple(GGUF_FORMATS)
@@ -83,6 +84,9 @@ class _Piece:
 
 
 class GGUFLinearMethod:
+    def __init__(self, activations: Activations = None) -> None:
+        self.activations = activations  # "int8": the blocks' matmuls quantize activations (float pieces do not)
+
     def create_weights(self, layer: nn.Module) -> None:
         # A placeholder with the matrix's shape and no memory, so that loading can be checked for completeness;
         # the pieces loaded replace it.
@@ -116,7 +120,7 @@ class GGUFLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         outputs = [
             F.linear(x, piece.weight) if piece.format_id is None
-            else quantized_matmul.linear(x, piece.weight, piece.format_id, 0, layer.in_features)
+            else quantized_matmul.linear(x, piece.weight, piece.format_id, 0, layer.in_features, self.activations)
             for piece in layer.gguf_pieces
         ]
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)

@@ -32,6 +32,7 @@ from torch import nn
 
 from engine.checkpoint import CheckpointTensor, read_whole
 from kernels import quantized_matmul, w4a16_matmul
+from kernels.quantized_matmul import Activations
 
 Layout = Literal["awq", "gptq"]
 SUPPORTED_BITS = (4,)
@@ -207,12 +208,13 @@ def _contiguous_groups(piece: Int4Piece, group_size: int, name: str) -> tuple[In
 
 
 class W4A16LinearMethod:
-    """AWQ / GPTQ 4-bit weights with 16-bit (or float32) activations: the CPU kernel of kernels/quantized_matmul
-    (UINT4_ZP groups), the Triton GEMM of kernels/w4a16_matmul on CUDA. A projection the checkpoint left in
-    float (the output projection) keeps its float weight."""
+    """AWQ / GPTQ 4-bit weights with 16-bit (or float32) activations, or on the CPU int8 ones where asked: the CPU
+    kernel of kernels/quantized_matmul (UINT4_ZP groups), the Triton GEMM of kernels/w4a16_matmul on CUDA. A
+    projection the checkpoint left in float (the output projection) keeps its float weight."""
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, activations: Activations = None) -> None:
         self.group_size = group_size
+        self.activations = activations  # "int8": the CPU kernel quantizes activations (CUDA refuses it at load)
 
     def create_weights(self, layer: nn.Module) -> None:
         # A placeholder with the matrix's shape and no memory, for loading's completeness check; the pieces
@@ -268,7 +270,9 @@ class W4A16LinearMethod:
             if layer.w4_perm is not None:
                 x = x[..., layer.w4_perm]
             if layer.w4_format == "cpu":
-                y = quantized_matmul.linear(x, layer.qweight, quantized_matmul.UINT4_ZP, self.group_size, layer.in_features)
+                y = quantized_matmul.linear(
+                    x, layer.qweight, quantized_matmul.UINT4_ZP, self.group_size, layer.in_features, self.activations
+                )
             else:
                 y = w4a16_matmul.linear(x, layer.w4_qweight, layer.w4_zeros, layer.w4_scales, self.group_size)
         return y if layer.bias is None else y + layer.bias
