@@ -75,5 +75,7 @@ class WeightOnlyLinearMethod(UnquantizedLinearMethod):
         del layer.weight
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        y = quantized_matmul.linear(x, layer.qweight, self.format_id, self.group_size, layer.in_features, self.activations)
+        y = quantized_matmul.linear(
+            x, layer.qweight, self.format_id, self.group_size, layer.in_features, self.activations
+        )
         return y if layer.bias is None else y + layer.bias

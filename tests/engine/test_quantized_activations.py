@@ -35,7 +35,9 @@ from tests.engine.test_quantized_models import _TYPES, own_cache_dir, write_quan
 # mean |d log-prob| 0.013-0.048 nats (int4 the most), max 0.078-0.30 (the GGUF of every type the most).
 INT8_AGREEMENT, INT8_MEAN_LOGPROB_DIFFERENCE, INT8_MAX_LOGPROB_DIFFERENCE = 0.95, 0.08, 0.5
 # The shared prompts and two more (12 and 60 random ids): five prompts, 262 scored positions.
-SCORED_PROMPTS = PROMPTS + [[random.Random(100 + length).randrange(2, 300) for _ in range(length)] for length in (12, 60)]
+SCORED_PROMPTS = PROMPTS + [
+    [random.Random(100 + length).randrange(2, 300) for _ in range(length)] for length in (12, 60)
+]
 OPTIONS = dict(dtype="float32", device="cpu", max_num_batched_tokens=64)  # chunked prefill
 
 
