@@ -1,6 +1,6 @@
 // The run-time choice of instruction set for the C++ kernels that compile a body per set (quantized_matmul.cpp,
-// kv_int8_decode.cpp): the widest this CPU runs, and a requested one checked against it; and AVX-512 BF16, which
-// only the quantized matmul's bf16 path uses.
+// kv_int8_decode.cpp): the widest this CPU runs, and a requested one checked against it; and AVX-512 BF16 and
+// VNNI, which only the quantized matmul's bf16 and int8-activation paths use.
 #pragma once
 #include <c10/util/Exception.h>
 
@@ -44,6 +44,16 @@ inline Isa parse_isa(const std::string& name) {
 inline bool has_avx512_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
   return best_isa() == Isa::Avx512 && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// AVX-512 VNNI (vpdpbusd: products of unsigned by signed bytes, four summed into each int32 lane), which only the
+// quantized matmul's int8-activation path uses, likewise beside the order.
+inline bool has_avx512_vnni() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return best_isa() == Isa::Avx512 && __builtin_cpu_supports("avx512vnni");
 #else
   return false;
 #endif

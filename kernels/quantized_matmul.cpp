@@ -48,6 +48,7 @@ Format format_of(int64_t kind, int64_t group) {
 using isa_dispatch::Isa;
 using isa_dispatch::best_isa;
 using isa_dispatch::has_avx512_bf16;
+using isa_dispatch::has_avx512_vnni;
 using isa_dispatch::isa_name;
 using isa_dispatch::parse_isa;
 
@@ -69,6 +70,27 @@ const RowKernels& row_kernels(Isa isa) {
 #endif
     default: return quantized_matmul::isa_portable::row_kernels;
   }
+}
+
+// The int8-activation kernels of a path: "auto" (avx512_vnni where the CPU has it, else the widest set's plain C++
+// dot product), "avx512_vnni", or "avx512" / "avx2" / "portable"; a path this CPU cannot run is refused.
+const quantized_matmul::Int8Kernels& int8_kernels(const std::string& isa_choice) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (isa_choice == "avx512_vnni" || (isa_choice == "auto" && has_avx512_vnni())) {
+    TORCH_CHECK(has_avx512_vnni(), "this CPU cannot run the avx512_vnni path (no AVX-512 VNNI; best: ",
+                isa_name(best_isa()), ")");
+    return quantized_matmul::isa_avx512_vnni::int8_kernels;
+  }
+  switch (parse_isa(isa_choice)) {
+    case Isa::Avx512: return quantized_matmul::isa_avx512::int8_kernels;
+    case Isa::Avx2: return quantized_matmul::isa_avx2::int8_kernels;
+    default: break;
+  }
+#else
+  TORCH_CHECK(isa_choice != "avx512_vnni", "the avx512_vnni path is x86-64 only");
+  parse_isa(isa_choice);
+#endif
+  return quantized_matmul::isa_portable::int8_kernels;
 }
 
 // Whether a matmul of x takes the bf16 path: asked for by name ("avx512_bf16"), or "auto" with bf16 x on a CPU that
@@ -144,11 +166,87 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, int64_t kind, i
   return out;
 }
 
+// A quantized weight [rows, row_bytes] repacked for the int8-activation kernels (quantized_matmul_int8.h): uint8
+// quants [tiles, tile bytes], float32 scales [tiles, sub-blocks, kTileRows] and mins (likewise; [0] where the format
+// has none). Once, at load.
+std::vector<at::Tensor> pack_int8(const at::Tensor& weight, int64_t kind, int64_t group, int64_t columns) {
+  const Format format = format_of(kind, group);
+  check_weight(weight, format, columns);
+  const int sub = quantized_matmul::int8_sub_block(format.kind);
+  TORCH_CHECK(format.block_values % sub == 0 && columns % quantized_matmul::kActivationBlock == 0,
+              "int8 activations need groups of a multiple of 32 input features; this weight's groups are ",
+              format.block_values);
+  const int64_t rows = weight.size(0), row_bytes = weight.size(1), tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t subs = columns / sub, tile_bytes = kTileRows * columns * quantized_matmul::int8_bits(format.kind) / 8;
+  auto quants = at::empty({tiles, tile_bytes}, at::kByte);
+  auto scales = at::empty({tiles, subs, kTileRows}, at::kFloat);
+  const bool has_min = quantized_matmul::int8_has_min(format.kind);
+  auto mins = has_min ? at::empty({tiles, subs, kTileRows}, at::kFloat) : at::empty({0}, at::kFloat);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    for (int64_t tile = first; tile < last; ++tile) {
+      const int64_t n0 = tile * kTileRows;
+      quantized_matmul::isa_portable::int8_kernels.pack_tile(
+          format, w + n0 * row_bytes, row_bytes, columns, std::min(kTileRows, rows - n0),
+          quants.data_ptr<uint8_t>() + tile * tile_bytes, scales.data_ptr<float>() + tile * subs * kTileRows,
+          has_min ? mins.data_ptr<float>() + tile * subs * kTileRows : nullptr);
+    }
+  });
+  return {quants, scales, mins};
+}
+
+// x [tokens, columns] float32 or bf16, quantized per token in blocks of kActivationBlock values to int8, times a
+// weight packed by pack_int8 ([rows, columns] dequantized) transposed, with integer dot products: [tokens, rows]
+// float32.
+at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& mins,
+                       int64_t kind, int64_t group, int64_t rows, const std::string& isa_choice) {
+  const Format format = format_of(kind, group);
+  TORCH_CHECK((x.dtype() == at::kFloat || x.dtype() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
+              "x must be contiguous float32 or bf16 [tokens, columns]");
+  const int64_t tokens = x.size(0), columns = x.size(1), tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t subs = columns / quantized_matmul::int8_sub_block(format.kind);
+  TORCH_CHECK(columns % quantized_matmul::kActivationBlock == 0 && quants.dtype() == at::kByte &&
+              quants.is_contiguous() && quants.dim() == 2 && quants.size(0) == tiles &&
+              quants.size(1) == kTileRows * columns * quantized_matmul::int8_bits(format.kind) / 8 &&
+              scales.is_contiguous() && scales.numel() == tiles * subs * kTileRows &&
+              (!quantized_matmul::int8_has_min(format.kind) || (mins.is_contiguous() && mins.numel() == scales.numel())),
+              "packed weight does not match x's columns, the rows or the format (pack it with pack_int8)");
+  const quantized_matmul::Int8Kernels& kernels = int8_kernels(isa_choice);
+  const int64_t blocks = columns / quantized_matmul::kActivationBlock;
+  auto x_quants = at::empty({tokens, columns}, at::kChar);
+  auto x_scales = at::empty({tokens, blocks}, at::kFloat), x_sums = at::empty({tokens, columns / 16}, at::kInt);
+  const bool bf16 = x.dtype() == at::kBFloat16;
+  const float* x32 = bf16 ? nullptr : x.data_ptr<float>();
+  const uint16_t* x16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  at::parallel_for(0, tokens, 16, [&](int64_t first, int64_t last) {
+    kernels.quantize_activations(x32 ? x32 + first * columns : nullptr, x16 ? x16 + first * columns : nullptr,
+                                 last - first, columns, x_quants.data_ptr<int8_t>() + first * columns,
+                                 x_scales.data_ptr<float>() + first * blocks,
+                                 x_sums.data_ptr<int32_t>() + first * (columns / 16));
+  });
+  const quantized_matmul::Int8Activations activations{x_quants.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
+                                                      x_sums.data_ptr<int32_t>(), tokens};
+  auto out = at::empty({tokens, rows}, at::kFloat);
+  const float* m = quantized_matmul::int8_has_min(format.kind) ? mins.data_ptr<float>() : nullptr;
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    kernels.matmul_tiles(format, activations, quants.data_ptr<uint8_t>(), scales.data_ptr<float>(), m, columns, first,
+                         last, rows, out.data_ptr<float>());
+  });
+  return out;
+}
+
+std::string int8_path() {
+  return has_avx512_vnni() ? "avx512_vnni" : isa_name(best_isa());
+}
+
 std::string best_isa_name() { return isa_name(best_isa()); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "float32 values of quantized rows");
   m.def("matmul", &matmul, "x @ dequantize(weight).T, dequantizing a tile of rows at a time");
+  m.def("pack_int8", &pack_int8, "a quantized weight repacked for matmul_int8: quants, scales, mins");
+  m.def("matmul_int8", &matmul_int8, "int8-quantized x @ the packed weight's values.T, integer dot products");
+  m.def("int8_path", &int8_path, "the path matmul_int8's auto takes here: avx512_vnni, avx512, avx2 or portable");
   m.def("best_isa", &best_isa_name, "the widest instruction set this CPU runs: avx512, avx2 or portable");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs the avx512_bf16 path (bf16 x)");
 }

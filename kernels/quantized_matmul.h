@@ -41,6 +41,17 @@ __attribute__((always_inline)) inline float half_to_float(const uint8_t* p) {
   return value;
 }
 
+// The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
+__attribute__((always_inline)) inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
 constexpr int64_t kTileRows = 16;  // weight rows dequantized at a time: 16 x 4 KiB columns fit L2
 
 // One instruction set's row kernels (quantized_matmul_body.h): float32 values of weight rows [begin, end), and
@@ -53,9 +64,58 @@ struct RowKernels {
                       int64_t columns, int64_t begin, int64_t end, float* out, int64_t out_columns, float* scratch);
 };
 
+// int8 activations (quantized_matmul_int8.h): a step's tokens quantized per block of kActivationBlock values to
+// int8 quants with a float32 scale, and the quants' sums per 16.
+constexpr int64_t kActivationBlock = 32;
+
+struct Int8Activations {
+  const int8_t* quants;   // [tokens, columns]
+  const float* scales;    // [tokens, columns / kActivationBlock]
+  const int32_t* sums;    // [tokens, columns / 16]: sum of each 16 quants
+  int64_t tokens;
+};
+
+// A weight repacked for the int8 dot products (quantized_matmul_int8.h's layout): per tile of kTileRows rows,
+// `tile_bytes` of unsigned quants, then per sub-block the tile's scales d and, for formats with a min, mins m
+// (float32, kTileRows each); a value is d * (u - int8_offset(kind)) + m.
+inline int int8_sub_block(Kind kind) { return kind == Kind::Q6_K ? 16 : 32; }  // values per (d, m)
+inline int int8_bits(Kind kind) {  // 4: two quants a byte; 8: one (the 5- and 6-bit formats too)
+  return kind == Kind::Q4_0 || kind == Kind::Q4_1 || kind == Kind::Q4_K || kind == Kind::INT4 ||
+         kind == Kind::UINT4_ZP ? 4 : 8;
+}
+inline int int8_offset(Kind kind) {  // the format's constant zero point; the others' offsets are in m
+  switch (kind) {
+    case Kind::Q4_0: case Kind::INT4: return 8;
+    case Kind::Q5_0: return 16;
+    case Kind::Q6_K: return 32;
+    case Kind::Q8_0: case Kind::INT8: return 128;
+    default: return 0;
+  }
+}
+inline bool int8_has_min(Kind kind) {
+  return kind == Kind::Q4_1 || kind == Kind::Q5_1 || kind == Kind::Q4_K || kind == Kind::Q5_K || kind == Kind::UINT4_ZP;
+}
+
+// One instruction set's int8-activation kernels (quantized_matmul_int8.h). quantize_activations: x [tokens,
+// columns] (float32, or bf16 bits where x16 is given instead) as above. pack_tile: weight rows [0, rows) (rows <=
+// kTileRows; the rest zeros) into one tile's quants, scales and mins. matmul_tiles: out[:, 16 * first_tile ..) =
+// x @ dequantize(tiles [first_tile, last_tile)).T, up to `rows` output rows.
+struct Int8Kernels {
+  void (*quantize_activations)(const float* x32, const uint16_t* x16, int64_t tokens, int64_t columns,
+                               int8_t* quants, float* scales, int32_t* sums);
+  void (*pack_tile)(const Format& format, const uint8_t* weight, int64_t row_bytes, int64_t columns, int64_t rows,
+                    uint8_t* quants, float* scales, float* mins);
+  void (*matmul_tiles)(const Format& format, const Int8Activations& x, const uint8_t* quants, const float* scales,
+                       const float* mins, int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows,
+                       float* out);
+};
+
 #if defined(__x86_64__) && defined(__GNUC__)
 namespace isa_avx512 { extern const RowKernels row_kernels; }  // quantized_matmul_avx512.cpp
 namespace isa_avx2 { extern const RowKernels row_kernels; }  // quantized_matmul_avx2.cpp
+namespace isa_avx512 { extern const Int8Kernels int8_kernels; }
+namespace isa_avx2 { extern const Int8Kernels int8_kernels; }
+namespace isa_avx512_vnni { extern const Int8Kernels int8_kernels; }  // quantized_matmul_avx512_vnni.cpp
 // quantized_matmul_avx512_bf16.cpp (quantized_matmul_bf16.h): out[:, begin:end] = x @ bf16(dequantize(weight)).T for
 // bf16 x (its bits), through `row` (columns floats) and `tile` (kTileRows * columns bf16 bits); CPUs with AVX-512 BF16.
 namespace isa_avx512_bf16 {
@@ -65,5 +125,6 @@ void matmul_rows_bf16(const Format& format, const uint16_t* x, int64_t tokens, c
 }
 #endif
 namespace isa_portable { extern const RowKernels row_kernels; }  // quantized_matmul_portable.cpp
+namespace isa_portable { extern const Int8Kernels int8_kernels; }
 
 }  // namespace quantized_matmul

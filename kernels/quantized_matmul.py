@@ -19,10 +19,17 @@ bf16 dot products (vdpbf16ps: 32 products an instruction against the float32 FMA
 without AVX-512 BF16, bf16 x is converted to float32 and meets the float32 weights on the float32 paths. float32 x
 always takes the float32 paths. The reference: dequantize (gguf-py's `gguf.quants.dequantize` for GGUF blocks, the
 weight-only formula for groups) in float32, then torch's matmul (of the bf16-rounded weights for the bf16 path).
+
+int8 activations (`pack_int8` once at load, then `matmul_int8`; quantized_matmul_int8.h): each step's x is quantized
+per token in blocks of 32 to int8 and multiplied by the weights' own integer quants with integer dot products
+(AVX-512 VNNI's vpdpbusd where the CPU has it, `quantized_matmul_avx512_vnni.cpp`; else the plain C++ dot product of
+the widest set), as llama.cpp multiplies its blocks. Not exact: its oracle is the float64 product of the quantized x
+and the dequantized weights (`matmul_int8_reference`), which it equals to float32 rounding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -39,11 +46,12 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "quantized_matmul.cpp", "quantized_matmul_avx512.cpp", "quantized_matmul_avx2.cpp",
-        "quantized_matmul_portable.cpp", "quantized_matmul_avx512_bf16.cpp",
+        "quantized_matmul_portable.cpp", "quantized_matmul_avx512_bf16.cpp", "quantized_matmul_avx512_vnni.cpp",
     )
 ]
 
-Isa = Literal["auto", "avx512_bf16", "avx512", "avx2", "portable"]  # avx512_bf16: bf16 x only (matmul)
+# avx512_bf16: bf16 x only (matmul); avx512_vnni: matmul_int8 only
+Isa = Literal["auto", "avx512_bf16", "avx512_vnni", "avx512", "avx2", "portable"]
 
 # Weight formats by name: (format id the C++ kernels know, values per block, bytes per block); for INT8 and INT4
 # the values per block are the group size, given with each call.
@@ -106,15 +114,42 @@ ACTIVATION_BLOCK = 32
 Activations = Literal["int8"] | None  # None: x as it is (the model's dtype)
 
 
-def matmul_int8(x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, isa: Isa = "auto") -> torch.Tensor:
-    """x [tokens, columns] float32 or bf16, quantized to int8 by `quantize_activations_reference`'s rule, @
-    dequantize(weight).T -> [tokens, rows] float32, with integer dot products on the blocks' quants (see
+@dataclass(frozen=True)
+class Int8Weight:
+    """A quantized weight repacked once for `matmul_int8` (quantized_matmul_int8.h's layout): per tile of 16 rows its
+    unsigned quants in the order the dot products read them (a byte each, two for the 4-bit formats), and per
+    sub-block of 32 values (Q6_K: 16) the rows' float32 scales and, for formats with a min, mins. The same values as
+    the blocks, exactly."""
+
+    quants: torch.Tensor  # uint8 [tiles, tile bytes]
+    scales: torch.Tensor  # float32 [tiles, sub-blocks, 16]
+    mins: torch.Tensor  # float32 [tiles, sub-blocks, 16], or [0] where the format has none
+    format_id: int
+    group: int
+    rows: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.quants.nbytes + self.scales.nbytes + self.mins.nbytes
+
+
+def pack_int8(weight: torch.Tensor, format_id: int, group: int, columns: int) -> Int8Weight:
+    """uint8 [rows, row_bytes] blocks repacked for `matmul_int8` (every format; groups must be multiples of 32)."""
+    quants, scales, mins = load_quantized_kernels().pack_int8(weight, format_id, group, columns)
+    return Int8Weight(quants, scales, mins, format_id, group, weight.shape[0])
+
+
+def matmul_int8(x: torch.Tensor, weight: Int8Weight, isa: Isa = "auto") -> torch.Tensor:
+    """x [tokens, columns] float32 or bf16, quantized to int8 by `quantize_activations_reference`'s rule, @ the
+    dequantized weight.T -> [tokens, rows] float32, with integer dot products on the weight's quants (see
     quantized_matmul_int8.h). Equals `matmul_int8_reference` up to float32 summation order."""
-    return load_quantized_kernels().matmul_int8(x, weight, format_id, group, isa)
+    return load_quantized_kernels().matmul_int8(x, weight.quants, weight.scales, weight.mins, weight.format_id,
+                                                weight.group, weight.rows, isa)
 
 
 def int8_path() -> str:
-    """The path `matmul_int8(isa="auto")` runs on this CPU: avx512_vnni, avx2 or portable."""
+    """The path `matmul_int8(isa="auto")` runs on this CPU: avx512_vnni, else avx512, avx2 or portable (the plain
+    C++ dot product compiled for that set)."""
     return load_quantized_kernels().int8_path()
 
 
@@ -161,17 +196,16 @@ def matmul_bf16_reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.T
 DEQUANTIZE_ABOVE_TOKENS = 32
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, columns: int, activations: Activations = None
-) -> torch.Tensor:
-    """x [..., columns] @ dequantize(weight).T in x's dtype, for a layer. activations None: the on-the-fly kernel
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, format_id: int, group: int, columns: int) -> torch.Tensor:
+    """x [..., columns] @ dequantize(weight).T in x's dtype, for a layer. A weight packed by `pack_int8` (int8
+    activations): every step quantizes x to int8 (`matmul_int8`), whatever its size. Blocks: the on-the-fly kernel
     for decode-size steps, dequantize-then-matmul (torch's, in x's dtype) for large ones. In a bf16 run both
     multiply the weights rounded to bf16 where the CPU has AVX-512 BF16; without it the kernel's steps multiply the
     float32 weights (x converted to float32) and only the large steps the bf16-rounded ones. float32 runs: float32
-    weights throughout. activations "int8": every step quantizes x to int8 (`matmul_int8`), whatever its size."""
+    weights throughout."""
     tokens = x.reshape(-1, columns)
-    if activations == "int8":
-        out = matmul_int8(tokens.contiguous(), weight, format_id, group).to(x.dtype)
+    if isinstance(weight, Int8Weight):
+        out = matmul_int8(tokens.contiguous(), weight).to(x.dtype)
     elif tokens.shape[0] > DEQUANTIZE_ABOVE_TOKENS:
         out = torch.nn.functional.linear(tokens, dequantize(weight, format_id, group, columns).to(x.dtype))
     else:

@@ -9,6 +9,7 @@
 namespace quantized_matmul::isa_avx2 {
 #define VEC_FLOATS 8
 #include "quantized_matmul_body.h"
+#include "quantized_matmul_int8.h"  // its int8-activation kernels, with the plain C++ dot product
 #undef VEC_FLOATS
 }  // namespace quantized_matmul::isa_avx2
 #pragma GCC pop_options

@@ -74,17 +74,6 @@ static void dequant_q8_0(const uint8_t* b, float* y) {
   for (int j = 0; j < 32; ++j) y[j] = (float)qs[j] * d;
 }
 
-// The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
-static inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
-  if (j < 4) {
-    *scale = q[j] & 63;
-    *min = q[j + 4] & 63;
-  } else {
-    *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 // The scales and mins of the two 32-value sub-blocks of chunk `chunk` (64 values) of a Q4_K / Q5_K super-block:
 // {scale 1, min 1, scale 2, min 2}, each the super-block's f16 d (or dmin) times a 6-bit integer.
 struct SubScales {

@@ -9,7 +9,10 @@ name: the AVX-512, AVX2 and portable builds all run on an AVX-512 machine):
 - the bf16 path (AVX-512 BF16, bf16 x) multiplies exactly the dequantized weights rounded to bf16 (one-hot x reads
   them back bit for bit) and equals the float32 matmul of those to float32 rounding, every format, odd shapes,
   tokens 1..33; `auto` takes it for bf16 x only;
-- `linear` (the layers' entry) in bf16 and above the dequantize threshold.
+- `linear` (the layers' entry) in bf16 and above the dequantize threshold;
+- int8 activations (`matmul_int8` on `pack_int8`'s layout): every format, on every path (the plain C++ dot product
+  per instruction set and AVX-512 VNNI), against the float64 product of the quantized x and the dequantized weight;
+  halves rounded to even as torch.round.
 """
 
 from __future__ import annotations
@@ -190,3 +193,78 @@ def test_uint4_zero_point_groups_match_the_awq_gptq_formula(group):
             assert torch.equal(quantized_matmul.dequantize(blocks, quantized_matmul.UINT4_ZP, group, columns, isa), expected)
             got = quantized_matmul.matmul(x, blocks, quantized_matmul.UINT4_ZP, group, isa)
             torch.testing.assert_close(got, matmul_reference(x, expected), rtol=1e-5, atol=1e-5 * columns ** 0.5)
+
+
+# int8 activations (matmul_int8): every format as the kernels pack it, rows over several 16-row tiles and a partial
+# one, columns past one 512-column chunk where the format allows it (the chunks' partial sums add up).
+def _int8_formats(rows: int) -> list[tuple[str, int, int, int, torch.Tensor]]:
+    rng = np.random.default_rng(7)
+    cases = []
+    for name, (format_id, block_values, _) in GGUF_FORMATS.items():
+        columns = 21 * block_values if block_values == 32 else 3 * block_values
+        cases.append((name, format_id, 0, columns, torch.from_numpy(random_blocks(rows, columns, name, rng))))
+    weight = torch.randn(rows, 192, generator=torch.Generator().manual_seed(8))
+    cases.append(("INT8", quantized_matmul.INT8, 64, 192, quantize_rows(weight, 8, 64)))
+    cases.append(("INT4", quantized_matmul.INT4, 32, 192, quantize_rows(weight, 4, 32)))
+    uint4_zp = next(case for case in _every_format(rows) if case[0] == "UINT4_ZP")
+    return cases + [uint4_zp]
+
+
+def _int8_paths() -> list[str]:
+    return _paths() + (["avx512_vnni"] if quantized_matmul.int8_path() == "avx512_vnni" else [])
+
+
+@pytest.mark.parametrize("case", _int8_formats(37), ids=lambda case: case[0])
+def test_int8_activations_match_the_quantized_product(case):
+    """Against the float64 product of x's int8 quants times their scales and the dequantized weights
+    (matmul_int8_reference), on every path, tokens 1..17 (passes of 8, 4 and 1), float32 and bf16 x. Every integer
+    sum is exact, so the two differ by a few float32 roundings of each sub-block's term: 1e-5 of the sum of the
+    products' magnitudes. A quant rounded differently moves a term by a whole quant step (1/127 of its block's
+    largest), far past that."""
+    name, format_id, group, columns, weight = case
+    dequantized = quantized_matmul.dequantize(weight, format_id, group, columns)
+    packed = quantized_matmul.pack_int8(weight, format_id, group, columns)
+    generator = torch.Generator().manual_seed(9)
+    for tokens, dtype in ((1, torch.float32), (5, torch.bfloat16), (17, torch.float32)):
+        x = torch.randn(tokens, columns, generator=generator).to(dtype)
+        quants, scales = quantized_matmul.quantize_activations_reference(x)
+        magnitudes = (quants.abs().double().reshape(tokens, -1, 32) * scales.double()[..., None]).reshape(tokens, columns)
+        bound = 1e-5 * (magnitudes @ dequantized.double().abs().T).float() + 1e-30
+        expected = quantized_matmul.matmul_int8_reference(x, dequantized)
+        for isa in _int8_paths():
+            got = quantized_matmul.matmul_int8(x, packed, isa)
+            assert got.shape == (tokens, 37) and got.dtype == torch.float32
+            assert ((got - expected).abs() <= bound).all(), (isa, tokens, (got - expected).abs().max())
+
+
+def test_int8_activations_round_halves_to_even():
+    """One block whose largest magnitude is 127 (scale exactly 1) and whose other values are halves: the quants are
+    torch.round's, halves to even (2.5 -> 2, 3.5 -> 4, -2.5 -> -2), read back through an identity weight (int8 groups
+    of 32: each row one 1, its group's scale 1 / 127)."""
+    x = torch.zeros(1, 32)
+    x[0, :6] = torch.tensor([127.0, 2.5, 3.5, -2.5, 0.5, -126.5])
+    identity = quantize_rows(torch.eye(32), 8, 32)
+    dequantized = quantized_matmul.dequantize(identity, quantized_matmul.INT8, 32, 32)
+    packed = quantized_matmul.pack_int8(identity, quantized_matmul.INT8, 32, 32)
+    for isa in _int8_paths():
+        got = quantized_matmul.matmul_int8(x, packed, isa)
+        torch.testing.assert_close(got, quantized_matmul.matmul_int8_reference(x, dequantized), rtol=1e-6, atol=0)
+        torch.testing.assert_close(got[0, :6], torch.tensor([127.0, 2.0, 4.0, -2.0, 0.0, -126.0]) * dequantized[0, 0],
+                                   rtol=1e-6, atol=0)
+
+
+def test_int8_activations_refuse_groups_that_split_their_blocks():
+    weight = quantize_rows(torch.randn(4, 64), 8, 16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quantized_matmul.pack_int8(weight, quantized_matmul.INT8, 16, 64)
+
+
+def test_linear_of_a_packed_weight_quantizes_every_step():
+    """`linear` with a weight packed by pack_int8 runs matmul_int8 at any step size (here past the dequantize
+    threshold) and returns x's dtype and shape."""
+    name, format_id, group, columns, weight = _int8_formats(20)[4]  # Q8_0
+    packed = quantized_matmul.pack_int8(weight, format_id, group, columns)
+    x = torch.randn(2, 40, columns, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    got = quantized_matmul.linear(x, packed, format_id, group, columns)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 40, 20)
+    assert torch.equal(got.reshape(80, 20), quantized_matmul.matmul_int8(x.reshape(80, columns), packed).to(torch.bfloat16))
