@@ -214,7 +214,7 @@ class W4A16LinearMethod:
 
     def __init__(self, group_size: int, activations: Activations = None) -> None:
         self.group_size = group_size
-        self.activations = activations  # "int8": the CPU kernel quantizes activations (CUDA refuses it at load)
+        self.activations = activations  # "int8": repacked for the CPU's matmul_int8 (CUDA refuses it at load)
 
     def create_weights(self, layer: nn.Module) -> None:
         # A placeholder with the matrix's shape and no memory, for loading's completeness check; the pieces
@@ -262,6 +262,10 @@ class W4A16LinearMethod:
             quantized_matmul.load_quantized_kernels()  # a failed build fails the load, not the first step
             layer.w4_format = "cpu"
             layer.qweight = pack_uint4_zp(whole, self.group_size)
+            if self.activations == "int8":  # repacked for matmul_int8: the same values, the groups are not kept
+                layer.qweight = quantized_matmul.pack_int8(
+                    layer.qweight, quantized_matmul.UINT4_ZP, self.group_size, layer.in_features
+                )
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.w4_format is None:
@@ -270,9 +274,7 @@ class W4A16LinearMethod:
             if layer.w4_perm is not None:
                 x = x[..., layer.w4_perm]
             if layer.w4_format == "cpu":
-                y = quantized_matmul.linear(
-                    x, layer.qweight, quantized_matmul.UINT4_ZP, self.group_size, layer.in_features, self.activations
-                )
+                y = quantized_matmul.linear(x, layer.qweight, quantized_matmul.UINT4_ZP, self.group_size, layer.in_features)
             else:
                 y = w4a16_matmul.linear(x, layer.w4_qweight, layer.w4_zeros, layer.w4_scales, self.group_size)
         return y if layer.bias is None else y + layer.bias

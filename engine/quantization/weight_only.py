@@ -6,9 +6,10 @@ clamped to [-128, 127] / [-8, 7]: symmetric, no zero point. Stored as blocks lik
 scale's 4 bytes, then the group's int8 values, or for int4 `group_size / 2` bytes whose low nibbles hold the first
 half of the group and high nibbles the second (value + 8). kernels/quantized_matmul multiplies them dequantizing on
 the fly (value * scale, in float32). Activations stay in the model's dtype (W8A16 / W4A16), or with
-quantized_activations "int8" are quantized per token (W8A8 / W4A8, integer dot products). Error: a weight moves
-by at most half a step, scale / 2; measured on SmolLM2-135M in README.md. The float weights are loaded first
-and quantized once all are in, so loading peaks at the unquantized model's memory."""
+quantized_activations "int8" are quantized per token (W8A8 / W4A8: the groups repacked at load by `pack_int8`,
+integer dot products). Error: a weight moves by at most half a step, scale / 2; measured on SmolLM2-135M in
+README.md. The float weights are loaded first and quantized once all are in, so loading peaks at the unquantized
+model's memory."""
 
 from __future__ import annotations
 
@@ -72,10 +73,12 @@ class WeightOnlyLinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module, pack_for_cpu: bool) -> None:
         quantized_matmul.load_quantized_kernels()  # a failed build fails the load, not the first step
         layer.qweight = quantize_rows(layer.weight.detach(), self.bits, self.group_size)
+        if self.activations == "int8":  # repacked for matmul_int8: the same values, the groups are not kept
+            layer.qweight = quantized_matmul.pack_int8(
+                layer.qweight, self.format_id, self.group_size, layer.in_features
+            )
         del layer.weight
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        y = quantized_matmul.linear(
-            x, layer.qweight, self.format_id, self.group_size, layer.in_features, self.activations
-        )
+        y = quantized_matmul.linear(x, layer.qweight, self.format_id, self.group_size, layer.in_features)
         return y if layer.bias is None else y + layer.bias
