@@ -92,7 +92,8 @@ def _write_folder(converted: Path, out: Path, tensors: dict[str, torch.Tensor], 
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes of the projections' weights as held (blocks, scales, or one float copy) and of the embedding."""
+    """Bytes of the projections' weights as held (blocks, scales, their repack for int8 activations, or one float
+    copy) and of the embedding."""
     model = llm.engine.model
     total = model.model.embed_tokens.weight.nbytes
     for module in model.modules():
