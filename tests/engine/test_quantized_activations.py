@@ -10,6 +10,7 @@ test_quantized_models / test_quantized_checkpoints, float32:
 - Batching invariance: a token's activations are quantized on their own, so a request's greedy tokens are the same
   run alone or batched with others, with chunked prefill; batched without chunking its log-probs are bit for bit
   the same too (with chunked prefill, attention over a chunk's cached prefix sums in another order: up to 1e-6).
+- Tensor parallel: two ranks generate what one process generates.
 - It shows in the quantization's description (the worker's log and /v1/models' metadata).
 - Refusals, by name: an unquantized or FP8 model, CUDA, int8 / int4 groups that are not whole blocks of 32, a
   dummy load of a quantized checkpoint, an unknown value.
@@ -27,7 +28,7 @@ from engine.config import EngineConfig, model_quantization
 from engine.quantization.config import QuantizationConfig, weight_only_quantization, with_quantized_activations
 from kernels.quantized_matmul import Int8Weight
 from tests.engine.hf_oracle import (  # noqa: F401  (tiny_llama_folder: a fixture)
-    PROMPTS, teacher_forced_agreement, tiny_llama_folder,
+    GREEDY, PROMPTS, teacher_forced_agreement, tiny_llama_folder,
 )
 from tests.engine.test_quantized_checkpoints import make_fp8_checkpoints, make_int4_checkpoints
 from tests.engine.test_quantized_models import _TYPES, own_cache_dir, write_quantized_gguf  # noqa: F401  (autouse)
@@ -94,6 +95,19 @@ def test_int8_activations_do_not_depend_on_the_batch(models):
         differences = [abs(ours.logprobs[i][token] - theirs.logprobs[i][token])
                        for ours, theirs in zip(batched, alone) for i, token in enumerate(theirs.token_ids)]
         assert max(differences) <= (0.0 if max_num_batched_tokens == 8192 else 1e-5)
+
+
+def test_int8_activations_run_tensor_parallel(models):
+    """Two ranks, each repacking its shard (row-parallel ones split on whole blocks, so a token's activation blocks
+    are the unsharded run's), generate what one process generates."""
+    model, _ = models["gguf-every-type"]
+    options = dict(OPTIONS, quantized_activations="int8")
+    want = [o.outputs[0].token_ids for o in LLM(model=str(model), **options).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    sharded = LLM(model=str(model), tensor_parallel_size=2, **options)
+    try:
+        assert [o.outputs[0].token_ids for o in sharded.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    finally:
+        sharded.engine.close()
 
 
 def test_int8_activations_are_refused_where_they_do_not_apply(models, tiny_llama_folder, tmp_path):
