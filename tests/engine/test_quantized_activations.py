@@ -33,9 +33,9 @@ from tests.engine.hf_oracle import (  # noqa: F401  (tiny_llama_folder: a fixtur
 from tests.engine.test_quantized_checkpoints import make_fp8_checkpoints, make_int4_checkpoints
 from tests.engine.test_quantized_models import _TYPES, own_cache_dir, write_quantized_gguf  # noqa: F401  (autouse)
 
-# Measured (5 prompts, 262 positions, the AVX-512 VNNI path; its torch reference gives the same to 4 decimals): top
-# tokens agreeing 258-262 (98.5-100%);
-# mean |d log-prob| 0.013-0.048 nats (int4 the most), max 0.078-0.30 (the GGUF of every type the most).
+# Measured (5 prompts, 262 positions, the AVX-512 VNNI path; its float64 reference gives the same to 4 decimals):
+# top tokens agreeing 258-262 (98.5-100%); mean |d log-prob| 0.013-0.048 nats (int4 the most), max 0.078-0.30 (the
+# GGUF of every type the most).
 INT8_AGREEMENT, INT8_MEAN_LOGPROB_DIFFERENCE, INT8_MAX_LOGPROB_DIFFERENCE = 0.95, 0.08, 0.5
 # The shared prompts and two more (12 and 60 random ids): five prompts, 262 scored positions.
 SCORED_PROMPTS = PROMPTS + [
