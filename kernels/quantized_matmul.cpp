@@ -167,8 +167,7 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, int64_t kind, i
 }
 
 // A quantized weight [rows, row_bytes] repacked for the int8-activation kernels (quantized_matmul_int8.h): uint8
-// quants [tiles, tile bytes], float32 scales [tiles, sub-blocks, kTileRows] and mins (likewise; [0] where the format
-// has none). Once, at load.
+// quants [tiles, tile bytes], float32 scales and offsets (mins) [tiles, sub-blocks, kTileRows]. Once, at load.
 std::vector<at::Tensor> pack_int8(const at::Tensor& weight, int64_t kind, int64_t group, int64_t columns) {
   const Format format = format_of(kind, group);
   check_weight(weight, format, columns);
@@ -180,8 +179,7 @@ std::vector<at::Tensor> pack_int8(const at::Tensor& weight, int64_t kind, int64_
   const int64_t subs = columns / sub, tile_bytes = kTileRows * columns * quantized_matmul::int8_bits(format.kind) / 8;
   auto quants = at::empty({tiles, tile_bytes}, at::kByte);
   auto scales = at::empty({tiles, subs, kTileRows}, at::kFloat);
-  const bool has_min = quantized_matmul::int8_has_min(format.kind);
-  auto mins = has_min ? at::empty({tiles, subs, kTileRows}, at::kFloat) : at::empty({0}, at::kFloat);
+  auto mins = at::empty({tiles, subs, kTileRows}, at::kFloat);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
     for (int64_t tile = first; tile < last; ++tile) {
@@ -189,7 +187,7 @@ std::vector<at::Tensor> pack_int8(const at::Tensor& weight, int64_t kind, int64_
       quantized_matmul::isa_portable::int8_kernels.pack_tile(
           format, w + n0 * row_bytes, row_bytes, columns, std::min(kTileRows, rows - n0),
           quants.data_ptr<uint8_t>() + tile * tile_bytes, scales.data_ptr<float>() + tile * subs * kTileRows,
-          has_min ? mins.data_ptr<float>() + tile * subs * kTileRows : nullptr);
+          mins.data_ptr<float>() + tile * subs * kTileRows);
     }
   });
   return {quants, scales, mins};
@@ -208,13 +206,14 @@ at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::
   TORCH_CHECK(columns % quantized_matmul::kActivationBlock == 0 && quants.dtype() == at::kByte &&
               quants.is_contiguous() && quants.dim() == 2 && quants.size(0) == tiles &&
               quants.size(1) == kTileRows * columns * quantized_matmul::int8_bits(format.kind) / 8 &&
-              scales.is_contiguous() && scales.numel() == tiles * subs * kTileRows &&
-              (!quantized_matmul::int8_has_min(format.kind) || (mins.is_contiguous() && mins.numel() == scales.numel())),
+              scales.is_contiguous() && scales.numel() == tiles * subs * kTileRows && mins.is_contiguous() &&
+              mins.numel() == scales.numel(),
               "packed weight does not match x's columns, the rows or the format (pack it with pack_int8)");
   const quantized_matmul::Int8Kernels& kernels = int8_kernels(isa_choice);
   const int64_t blocks = columns / quantized_matmul::kActivationBlock;
   auto x_quants = at::empty({tokens, columns}, at::kChar);
-  auto x_scales = at::empty({tokens, blocks}, at::kFloat), x_sums = at::empty({tokens, columns / 16}, at::kInt);
+  auto x_scales = at::empty({tokens, blocks}, at::kFloat);
+  auto x_sums16 = at::empty({tokens, 2 * blocks}, at::kFloat), x_sums32 = at::empty({tokens, blocks}, at::kFloat);
   const bool bf16 = x.dtype() == at::kBFloat16;
   const float* x32 = bf16 ? nullptr : x.data_ptr<float>();
   const uint16_t* x16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
@@ -222,15 +221,15 @@ at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::
     kernels.quantize_activations(x32 ? x32 + first * columns : nullptr, x16 ? x16 + first * columns : nullptr,
                                  last - first, columns, x_quants.data_ptr<int8_t>() + first * columns,
                                  x_scales.data_ptr<float>() + first * blocks,
-                                 x_sums.data_ptr<int32_t>() + first * (columns / 16));
+                                 x_sums16.data_ptr<float>() + first * 2 * blocks,
+                                 x_sums32.data_ptr<float>() + first * blocks);
   });
   const quantized_matmul::Int8Activations activations{x_quants.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
-                                                      x_sums.data_ptr<int32_t>(), tokens};
+                                                      x_sums16.data_ptr<float>(), x_sums32.data_ptr<float>(), tokens};
   auto out = at::empty({tokens, rows}, at::kFloat);
-  const float* m = quantized_matmul::int8_has_min(format.kind) ? mins.data_ptr<float>() : nullptr;
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
-    kernels.matmul_tiles(format, activations, quants.data_ptr<uint8_t>(), scales.data_ptr<float>(), m, columns, first,
-                         last, rows, out.data_ptr<float>());
+    kernels.matmul_tiles(format, activations, quants.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                         mins.data_ptr<float>(), columns, first, last, rows, out.data_ptr<float>());
   });
   return out;
 }

@@ -65,44 +65,33 @@ struct RowKernels {
 };
 
 // int8 activations (quantized_matmul_int8.h): a step's tokens quantized per block of kActivationBlock values to
-// int8 quants with a float32 scale, and the quants' sums per 16.
+// int8 quants with a float32 scale; and each block's scale times its quants' sum, per 16 and per 32 values.
 constexpr int64_t kActivationBlock = 32;
 
 struct Int8Activations {
-  const int8_t* quants;   // [tokens, columns]
-  const float* scales;    // [tokens, columns / kActivationBlock]
-  const int32_t* sums;    // [tokens, columns / 16]: sum of each 16 quants
+  const int8_t* quants;         // [tokens, columns]
+  const float* scales;          // [tokens, columns / 32]
+  const float* scaled_sums16;   // [tokens, columns / 16]: scale * sum of each 16 quants
+  const float* scaled_sums32;   // [tokens, columns / 32]: scale * sum of each 32
   int64_t tokens;
 };
 
 // A weight repacked for the int8 dot products (quantized_matmul_int8.h's layout): per tile of kTileRows rows,
-// `tile_bytes` of unsigned quants, then per sub-block the tile's scales d and, for formats with a min, mins m
-// (float32, kTileRows each); a value is d * (u - int8_offset(kind)) + m.
+// its unsigned quants u, then per sub-block the tile's scales d and offsets m (float32, kTileRows each); a value
+// is d * u + m.
 inline int int8_sub_block(Kind kind) { return kind == Kind::Q6_K ? 16 : 32; }  // values per (d, m)
 inline int int8_bits(Kind kind) {  // 4: two quants a byte; 8: one (the 5- and 6-bit formats too)
   return kind == Kind::Q4_0 || kind == Kind::Q4_1 || kind == Kind::Q4_K || kind == Kind::INT4 ||
          kind == Kind::UINT4_ZP ? 4 : 8;
 }
-inline int int8_offset(Kind kind) {  // the format's constant zero point; the others' offsets are in m
-  switch (kind) {
-    case Kind::Q4_0: case Kind::INT4: return 8;
-    case Kind::Q5_0: return 16;
-    case Kind::Q6_K: return 32;
-    case Kind::Q8_0: case Kind::INT8: return 128;
-    default: return 0;
-  }
-}
-inline bool int8_has_min(Kind kind) {
-  return kind == Kind::Q4_1 || kind == Kind::Q5_1 || kind == Kind::Q4_K || kind == Kind::Q5_K || kind == Kind::UINT4_ZP;
-}
 
 // One instruction set's int8-activation kernels (quantized_matmul_int8.h). quantize_activations: x [tokens,
 // columns] (float32, or bf16 bits where x16 is given instead) as above. pack_tile: weight rows [0, rows) (rows <=
-// kTileRows; the rest zeros) into one tile's quants, scales and mins. matmul_tiles: out[:, 16 * first_tile ..) =
+// kTileRows; the rest zeros) into one tile's quants, scales and offsets (mins). matmul_tiles: out[:, 16 * first_tile ..) =
 // x @ dequantize(tiles [first_tile, last_tile)).T, up to `rows` output rows.
 struct Int8Kernels {
   void (*quantize_activations)(const float* x32, const uint16_t* x16, int64_t tokens, int64_t columns,
-                               int8_t* quants, float* scales, int32_t* sums);
+                               int8_t* quants, float* scales, float* scaled_sums16, float* scaled_sums32);
   void (*pack_tile)(const Format& format, const uint8_t* weight, int64_t row_bytes, int64_t columns, int64_t rows,
                     uint8_t* quants, float* scales, float* mins);
   void (*matmul_tiles)(const Format& format, const Int8Activations& x, const uint8_t* quants, const float* scales,

@@ -117,13 +117,13 @@ Activations = Literal["int8"] | None  # None: x as it is (the model's dtype)
 @dataclass(frozen=True)
 class Int8Weight:
     """A quantized weight repacked once for `matmul_int8` (quantized_matmul_int8.h's layout): per tile of 16 rows its
-    unsigned quants in the order the dot products read them (a byte each, two for the 4-bit formats), and per
-    sub-block of 32 values (Q6_K: 16) the rows' float32 scales and, for formats with a min, mins. The same values as
-    the blocks, exactly."""
+    unsigned quants u in the order the dot products read them (a byte each, two for the 4-bit formats), and per
+    sub-block of 32 values (Q6_K: 16) the rows' float32 scales d and offsets m (the format's min and zero point): the
+    values d * u + m are the blocks' exactly."""
 
     quants: torch.Tensor  # uint8 [tiles, tile bytes]
     scales: torch.Tensor  # float32 [tiles, sub-blocks, 16]
-    mins: torch.Tensor  # float32 [tiles, sub-blocks, 16], or [0] where the format has none
+    mins: torch.Tensor  # float32 [tiles, sub-blocks, 16]
     format_id: int
     group: int
     rows: int

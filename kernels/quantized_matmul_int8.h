@@ -7,60 +7,108 @@
 // set's `int8_kernels` (quantized_matmul.h).
 //
 // Activations: per token, per block of 32 values, scale = max |x| / 127 and q = round(x / scale), halves to even,
-// in float32: exactly kernels/quantized_matmul.py's quantize_activations_reference; and the sum of each 16 q.
+// in float32: exactly kernels/quantized_matmul.py's quantize_activations_reference; and scale * sum(q) per 16 and
+// per 32 values.
 //
-// Weights, repacked once at load (pack_tile): every format's values are d * (u - offset) + m per sub-block of 32
-// values (Q6_K: 16), u an unsigned quant of at most 8 bits, offset the format's constant zero point
-// (int8_offset: Q4_0 / int4 8, Q5_0 16, Q6_K 32, Q8_0 / int8 128 with u = q + 128) and d, m float32: Q4_1 / Q5_1 the
-// block's min; Q4_K / Q5_K the sub-block's d = super-block d * 6-bit scale, m = -(dmin * 6-bit min); Q6_K d =
-// super-block d * int8 scale; AWQ / GPTQ m = -(zero point * scale). These are the dequantized values exactly (each
-// product is exact in float32: quantized_matmul_body.h computes the same ones). A tile of 16 rows keeps its quants
-// in the order the dot product reads them: 8-bit, byte 64 j + 4 r + c is row r's value 4 j + c (dword j of the 16
-// rows in one vector); 4-bit, byte 64 i + 4 r + c holds row r's values 8 i + c (low nibble) and 8 i + 4 + c (high).
-// Then per token and sub-block: S = sum(u * q) - offset * sum(q), exact in int32 (one lane per row), and
-// out += float(S) * (d * scale_x) + m * (scale_x * sum(q)). The only roundings are those float32 products and sums:
-// the result is the float64 product of the quantized x and the dequantized weights to float32's precision, in
-// another order (quantized_matmul.py's matmul_int8_reference).
+// Weights, repacked once at load (pack_tile): every format's values are d * u + m per sub-block of 32 values (Q6_K:
+// 16), u an unsigned quant of at most 8 bits and d, m float32, m holding the format's zero point: Q4_0 / int4
+// m = -8 d; Q5_0 -16 d; Q6_K d = super-block d * int8 scale, m = -32 d; Q8_0 / int8 u = q + 128, m = -128 d; Q4_1 /
+// Q5_1 m = the block's min; Q4_K / Q5_K the sub-block's d = super-block d * 6-bit scale, m = -(dmin * 6-bit min);
+// AWQ / GPTQ m = -(zero point * scale). Each is exact in float32 (a power of two, or the product the dequantization
+// itself computes: quantized_matmul_body.h), so d * u + m are the dequantized values exactly. A tile of 16 rows keeps
+// its quants in the order the dot product reads them: 8-bit, byte 64 j + 4 r + c is row r's value 4 j + c (dword j
+// of the 16 rows in one vector); 4-bit, byte 64 i + 4 r + c holds row r's values 8 i + c (low nibble) and
+// 8 i + 4 + c (high).
+//
+// Then per token and sub-block, one lane per row: S = sum(u * q) exactly in int32 (vpdpbusd: unsigned u by signed
+// q), and out += float(S) * (d * scale_x) + m * (scale_x * sum(q)): four vector instructions a sub-block and token
+// besides the dot products, all reading their scalars from memory. The roundings are those float32 products and
+// sums, where the two terms partly cancel (a zero point's m against its d * u): the result is the float64 product of
+// the quantized x and the dequantized weights to about float32's precision of the terms' magnitudes, in another order
+// (quantized_matmul.py's matmul_int8_reference).
 
-// Round-half-even of |v| < 2^22 in the default rounding mode (as torch.round), in plain arithmetic so GCC vectorizes it.
-static inline float int8_round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
+typedef float int8_vf16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t int8_vi16 __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t int8_vu16 __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t int8_vh16 __attribute__((vector_size(32), aligned(2)));
+typedef int8_t int8_vb16 __attribute__((vector_size(16), aligned(1)));
+
+// 16 values of x from float32 or from bf16 bits.
+static inline int8_vf16 int8_load_x(const float* x32, const uint16_t* x16, int64_t at) {
+  int8_vf16 v;
+  if (x16 != nullptr) {
+    int8_vh16 h;
+    __builtin_memcpy(&h, x16 + at, sizeof(h));
+    const int8_vu16 bits = __builtin_convertvector(h, int8_vu16) << 16;
+    __builtin_memcpy(&v, &bits, sizeof(v));
+  } else {
+    __builtin_memcpy(&v, x32 + at, sizeof(v));
+  }
+  return v;
+}
+
+static inline float int8_max_abs(int8_vf16 a, int8_vf16 b) {
+  int8_vu16 bits_a, bits_b;
+  __builtin_memcpy(&bits_a, &a, 64);
+  __builtin_memcpy(&bits_b, &b, 64);
+  bits_a &= 0x7FFFFFFFu;  // |v|, whose bits order as the values do
+  bits_b &= 0x7FFFFFFFu;
+  const int8_vu16 larger = bits_a > bits_b ? bits_a : bits_b;
+  uint32_t m = 0;
+  for (int i = 0; i < 16; ++i) m = larger[i] > m ? larger[i] : m;
+  float amax;
+  __builtin_memcpy(&amax, &m, 4);
+  return amax;
+}
+
+// 16 values' quants (round(v / scale), halves to even: adding and removing 1.5 * 2^23 rounds in the default mode, as
+// torch.round does), stored as int8; returns their sum.
+static inline int int8_quantize_16(int8_vf16 v, float scale, int8_t* out) {
+  const int8_vf16 r = (v / scale + 12582912.0f) - 12582912.0f;
+  const int8_vi16 q = __builtin_convertvector(r, int8_vi16);
+  const int8_vb16 bytes = __builtin_convertvector(q, int8_vb16);
+  __builtin_memcpy(out, &bytes, 16);
+  int sum = 0;
+  for (int i = 0; i < 16; ++i) sum += q[i];
+  return sum;
+}
 
 static void quantize_activations(const float* x32, const uint16_t* x16, int64_t tokens, int64_t columns,
-                                 int8_t* quants, float* scales, int32_t* sums) {
+                                 int8_t* quants, float* scales, float* scaled_sums16, float* scaled_sums32) {
   const int64_t blocks = columns / kActivationBlock;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t at = t * columns + b * kActivationBlock;
-      float v[kActivationBlock];
-      if (x16 != nullptr) {
-        for (int i = 0; i < kActivationBlock; ++i) {
-          const uint32_t bits = (uint32_t)x16[at + i] << 16;
-          __builtin_memcpy(&v[i], &bits, 4);
-        }
+      const int8_vf16 low = int8_load_x(x32, x16, at), high = int8_load_x(x32, x16, at + 16);
+      const float scale = int8_max_abs(low, high) / 127.0f;  // |x / scale| <= 127 after rounding: no clamp
+      int halves[2] = {0, 0};
+      if (scale > 0.0f) {
+        halves[0] = int8_quantize_16(low, scale, quants + at);
+        halves[1] = int8_quantize_16(high, scale, quants + at + 16);
       } else {
-        __builtin_memcpy(v, x32 + at, sizeof(v));
-      }
-      float amax = 0.0f;
-      for (int i = 0; i < kActivationBlock; ++i) amax = __builtin_fmaxf(amax, __builtin_fabsf(v[i]));
-      const float scale = amax / 127.0f;
-      int q[kActivationBlock];
-      for (int i = 0; i < kActivationBlock; ++i) {
-        float r = scale > 0.0f ? int8_round_even(v[i] / scale) : 0.0f;
-        q[i] = (int)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
-        quants[at + i] = (int8_t)q[i];
-      }
-      for (int half = 0; half < 2; ++half) {
-        int sum = 0;
-        for (int i = 0; i < 16; ++i) sum += q[16 * half + i];
-        sums[t * (columns / 16) + 2 * b + half] = sum;
+        __builtin_memset(quants + at, 0, kActivationBlock);
       }
       scales[t * blocks + b] = scale;
+      scaled_sums16[t * 2 * blocks + 2 * b] = scale * (float)halves[0];
+      scaled_sums16[t * 2 * blocks + 2 * b + 1] = scale * (float)halves[1];
+      scaled_sums32[t * blocks + b] = scale * (float)(halves[0] + halves[1]);
     }
   }
 }
 
-// One weight row's unsigned quants u (`columns` of them), with each sub-block's d and m written `stride` floats
-// apart (a tile keeps its 16 rows' values of a sub-block together).
+// The format's constant zero point, which pack_tile moves into m (m - offset * d).
+static inline int int8_offset(Kind kind) {
+  switch (kind) {
+    case Kind::Q4_0: case Kind::INT4: return 8;
+    case Kind::Q5_0: return 16;
+    case Kind::Q6_K: return 32;
+    case Kind::Q8_0: case Kind::INT8: return 128;
+    default: return 0;
+  }
+}
+
+// One weight row's unsigned quants u (`columns` of them), with each sub-block's d and m (before the zero point's
+// share) written `stride` floats apart (a tile keeps its 16 rows' values of a sub-block together).
 static void int8_unpack_row(const Format& format, const uint8_t* row, int64_t columns, uint8_t* u, float* d, float* m,
                             int64_t stride) {
   const int64_t blocks = columns / format.block_values;
@@ -174,11 +222,11 @@ static void pack_tile(const Format& format, const uint8_t* weight, int64_t row_b
                       uint8_t* quants, float* scales, float* mins) {
   const int64_t subs = columns / int8_sub_block(format.kind);
   uint8_t* staging = new uint8_t[kTileRows * columns]();
-  float* unused_mins = int8_has_min(format.kind) ? nullptr : new float[subs * kTileRows];
-  float* m = unused_mins ? unused_mins : mins;
-  for (int64_t s = 0; s < subs * kTileRows; ++s) scales[s] = m[s] = 0.0f;
+  for (int64_t s = 0; s < subs * kTileRows; ++s) scales[s] = mins[s] = 0.0f;
   for (int64_t r = 0; r < rows; ++r)
-    int8_unpack_row(format, weight + r * row_bytes, columns, staging + r * columns, scales + r, m + r, kTileRows);
+    int8_unpack_row(format, weight + r * row_bytes, columns, staging + r * columns, scales + r, mins + r, kTileRows);
+  const float offset = (float)int8_offset(format.kind);
+  for (int64_t s = 0; s < subs * kTileRows; ++s) mins[s] -= offset * scales[s];  // exact: see the top
   for (int64_t r = 0; r < kTileRows; ++r) {
     const uint8_t* u = staging + r * columns;
     if (int8_bits(format.kind) == 8) {
@@ -189,16 +237,23 @@ static void pack_tile(const Format& format, const uint8_t* weight, int64_t row_b
     }
   }
   delete[] staging;
-  delete[] unused_mins;
 }
 
 #ifdef INT8_VNNI
+// acc + the dot products of w's unsigned bytes with the 4 signed bytes at x, broadcast to every lane: the broadcast
+// folded into the instruction (a {1to16} memory operand). GCC emitted a separate vpbroadcastd for each, as many
+// instructions again as the dot products themselves.
+static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t* x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+
 // out[t0 .. t0 + MT, 0 .. rows) for MT tokens and one tile's 16 rows (an int32 / float32 lane each).
-template <int MT, int kBits, int kSub, int kOffset, bool kMin>
+template <int MT, int kBits, int kSub>
 static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, int64_t s_begin,
                               int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
                               float* out, int64_t ldo, int64_t rows) {
-  const int64_t xblocks = columns / kActivationBlock, xsums = columns / 16;
+  const int64_t xblocks = columns / kActivationBlock;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const __mmask16 mask = (__mmask16)((1u << rows) - 1);
   __m512 acc[MT];
@@ -208,11 +263,7 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
     for (int t = 0; t < MT; ++t) dot[t] = _mm512_setzero_si512();
     const int64_t k0 = s * kSub;
     const auto multiply = [&](const __m512i w, int64_t k) __attribute__((always_inline)) {
-      for (int t = 0; t < MT; ++t) {
-        int32_t xq;
-        __builtin_memcpy(&xq, x.quants + (t0 + t) * columns + k, 4);
-        dot[t] = _mm512_dpbusd_epi32(dot[t], w, _mm512_set1_epi32(xq));
-      }
+      for (int t = 0; t < MT; ++t) dot[t] = dpbusd_broadcast(dot[t], w, x.quants + (t0 + t) * columns + k);
     };
     if constexpr (kBits == 8) {
       for (int j = 0; j < kSub / 4; ++j) multiply(_mm512_loadu_si512(quants + (k0 / 4 + j) * 64), k0 + 4 * j);
@@ -223,16 +274,13 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
         multiply(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles), k0 + 8 * i + 4);
       }
     }
-    const __m512 ds = _mm512_loadu_ps(d + s * kTileRows);
-    const int64_t xb = k0 / kActivationBlock;
+    const __m512 ds = _mm512_loadu_ps(d + s * kTileRows), ms = _mm512_loadu_ps(m + s * kTileRows);
+    const float* scaled_sums = kSub == 32 ? x.scaled_sums32 + s : x.scaled_sums16 + s;
+    const int64_t xb = k0 / kActivationBlock, sums_per_token = columns / kSub;
     for (int t = 0; t < MT; ++t) {
-      const int32_t* sums = x.sums + (t0 + t) * xsums + k0 / 16;
-      const int32_t qsum = kSub == 32 ? sums[0] + sums[1] : sums[0];
-      const __m512i exact = kOffset ? _mm512_sub_epi32(dot[t], _mm512_set1_epi32(kOffset * qsum)) : dot[t];
-      const float scale = x.scales[(t0 + t) * xblocks + xb];
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(ds, _mm512_set1_ps(scale)), acc[t]);
-      if constexpr (kMin)
-        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(m + s * kTileRows), _mm512_set1_ps(scale * (float)qsum), acc[t]);
+      const __m512 scale = _mm512_set1_ps(x.scales[(t0 + t) * xblocks + xb]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(ds, scale), acc[t]);
+      acc[t] = _mm512_fmadd_ps(ms, _mm512_set1_ps(scaled_sums[(t0 + t) * sums_per_token]), acc[t]);
     }
   }
   for (int t = 0; t < MT; ++t) _mm512_mask_storeu_ps(out + (t0 + t) * ldo, mask, acc[t]);
@@ -250,11 +298,11 @@ static inline V int8_load(const T* p) {
 
 // The same for any instruction set, in plain vector arithmetic (GCC lowers it to the target's width): each dword's
 // four quants widened to int32 lanes and multiplied by the token's.
-template <int MT, int kBits, int kSub, int kOffset, bool kMin>
+template <int MT, int kBits, int kSub>
 static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, int64_t s_begin,
                               int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
                               float* out, int64_t ldo, int64_t rows) {
-  const int64_t xblocks = columns / kActivationBlock, xsums = columns / 16;
+  const int64_t xblocks = columns / kActivationBlock;
   int8_vf acc[MT];
   for (int t = 0; t < MT; ++t) {
     acc[t] = int8_vf{};
@@ -281,14 +329,12 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
         multiply((packed >> 4) & 0x0F0F0F0F, k0 + 8 * i + 4);
       }
     }
-    const int8_vf ds = int8_load<int8_vf>(d + s * kTileRows);
-    const int64_t xb = k0 / kActivationBlock;
+    const int8_vf ds = int8_load<int8_vf>(d + s * kTileRows), ms = int8_load<int8_vf>(m + s * kTileRows);
+    const float* scaled_sums = kSub == 32 ? x.scaled_sums32 + s : x.scaled_sums16 + s;
+    const int64_t xb = k0 / kActivationBlock, sums_per_token = columns / kSub;
     for (int t = 0; t < MT; ++t) {
-      const int32_t* sums = x.sums + (t0 + t) * xsums + k0 / 16;
-      const int32_t qsum = kSub == 32 ? sums[0] + sums[1] : sums[0];
-      const float scale = x.scales[(t0 + t) * xblocks + xb];
-      acc[t] += __builtin_convertvector(dot[t] - kOffset * qsum, int8_vf) * (ds * scale);
-      if constexpr (kMin) acc[t] += int8_load<int8_vf>(m + s * kTileRows) * (scale * (float)qsum);
+      acc[t] += __builtin_convertvector(dot[t], int8_vf) * (ds * x.scales[(t0 + t) * xblocks + xb]);
+      acc[t] += ms * scaled_sums[(t0 + t) * sums_per_token];
     }
   }
   for (int t = 0; t < MT; ++t)
@@ -301,7 +347,7 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
 // of 576-value rows).
 constexpr int64_t kChunkColumns = 512;
 
-template <int kBits, int kSub, int kOffset, bool kMin>
+template <int kBits, int kSub>
 static void int8_tiles(const Int8Activations& x, const uint8_t* quants, const float* scales, const float* mins,
                        int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows, float* out) {
   const int64_t subs = columns / kSub, tile_bytes = kTileRows * columns * kBits / 8, chunk = kChunkColumns / kSub;
@@ -309,36 +355,30 @@ static void int8_tiles(const Int8Activations& x, const uint8_t* quants, const fl
   for (int64_t tile = first_tile; tile < last_tile; ++tile) {
     const uint8_t* q = quants + tile * tile_bytes;
     const float* d = scales + tile * subs * kTileRows;
-    const float* m = kMin ? mins + tile * subs * kTileRows : nullptr;
+    const float* m = mins + tile * subs * kTileRows;
     const int64_t n0 = tile * kTileRows, tile_rows = rows - n0 < kTileRows ? rows - n0 : kTileRows;
     for (int64_t s0 = 0; s0 < subs; s0 += chunk) {
       const int64_t s1 = s0 + chunk < subs ? s0 + chunk : subs;
       const bool accumulate = s0 > 0;
       int64_t t = 0;
       for (; t + kTokens <= x.tokens; t += kTokens)
-        int8_micro<kTokens, kBits, kSub, kOffset, kMin>(q, d, m, s0, s1, accumulate, x, t, columns, out + n0, rows,
+        int8_micro<kTokens, kBits, kSub>(q, d, m, s0, s1, accumulate, x, t, columns, out + n0, rows,
                                                          tile_rows);
       for (; t + 4 <= x.tokens; t += 4)
-        int8_micro<4, kBits, kSub, kOffset, kMin>(q, d, m, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
+        int8_micro<4, kBits, kSub>(q, d, m, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
       for (; t < x.tokens; ++t)
-        int8_micro<1, kBits, kSub, kOffset, kMin>(q, d, m, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
+        int8_micro<1, kBits, kSub>(q, d, m, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
     }
   }
 }
 
-// The loop above instantiated for the format's bits, sub-block, zero point and min.
+// The loop above instantiated for the format's bits a quant and values a sub-block.
 static void matmul_tiles(const Format& format, const Int8Activations& x, const uint8_t* quants, const float* scales,
                          const float* mins, int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows,
                          float* out) {
-  const auto run = [&](auto tiles) { tiles(x, quants, scales, mins, columns, first_tile, last_tile, rows, out); };
-  switch (format.kind) {
-    case Kind::Q4_0: case Kind::INT4: run(int8_tiles<4, 32, 8, false>); break;
-    case Kind::Q4_1: case Kind::Q4_K: case Kind::UINT4_ZP: run(int8_tiles<4, 32, 0, true>); break;
-    case Kind::Q5_0: run(int8_tiles<8, 32, 16, false>); break;
-    case Kind::Q5_1: case Kind::Q5_K: run(int8_tiles<8, 32, 0, true>); break;
-    case Kind::Q6_K: run(int8_tiles<8, 16, 32, false>); break;
-    case Kind::Q8_0: case Kind::INT8: run(int8_tiles<8, 32, 128, false>); break;
-  }
+  if (int8_bits(format.kind) == 4) int8_tiles<4, 32>(x, quants, scales, mins, columns, first_tile, last_tile, rows, out);
+  else if (int8_sub_block(format.kind) == 16) int8_tiles<8, 16>(x, quants, scales, mins, columns, first_tile, last_tile, rows, out);
+  else int8_tiles<8, 32>(x, quants, scales, mins, columns, first_tile, last_tile, rows, out);
 }
 
 // This instruction set's int8-activation kernels, for quantized_matmul.cpp (quantized_matmul.h).
