@@ -9,7 +9,7 @@ test_quantized_models / test_quantized_checkpoints, float32:
   every block type, a Q8_0 GGUF, weight-only int8 and int4, AWQ and GPTQ (act-order).
 - Batching invariance: a token's activations are quantized on their own, so a request's greedy tokens are the same
   run alone or batched with others, with chunked prefill; batched without chunking its log-probs are bit for bit
-  the same too (with chunked prefill, attention over a chunk's cached prefix sums in another order: up to 1e-6).
+  the same too (with chunked prefill, attention over a chunk's cached prefix sums in another order: measured up to 1.5e-6).
 - Tensor parallel: two ranks generate what one process generates.
 - It shows in the quantization's description (the worker's log and /v1/models' metadata).
 - Refusals, by name: an unquantized or FP8 model, CUDA, int8 / int4 groups that are not whole blocks of 32, a
