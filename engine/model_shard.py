@@ -235,13 +235,17 @@ def _build_model(spec: ShardSpec, device: torch.device, group: TensorParallelGro
         backend = TorchAttention(use_cpu_kernels, shared_prefix)
         kernels = "cpu" if use_cpu_kernels else "torch"
     quantization = model_quantization(spec.model_config, config)
-    if spec.source.load_format == "dummy" and quantization is not None and quantization is spec.model_config.quantization:
-        quantization = None  # random weights of the quantized checkpoint's shape: there are no blocks to keep
-    if quantization is not None and device.type not in quantization.devices:
-        raise ValueError(
-            f"quantization {quantization.method!r} runs on {' and '.join(quantization.devices)} only "
-            f"(kernels/quantized_matmul.cpp; AWQ / GPTQ / FP8 also on CUDA); device is {device.type}"
-        )
+    if spec.source.load_format == "dummy" and spec.model_config.quantization is not None:
+        # Random weights of the quantized checkpoint's shape: there are no blocks to keep, nor to quantize activations
+        # for (model_quantization has refused a weight-only ask of this quantized checkpoint).
+        if config.quantized_activations is not None:
+            raise ValueError(
+                f"quantized_activations={config.quantized_activations!r} needs the checkpoint's quantized weights; "
+                f"load_format 'dummy' runs random unquantized weights of its shape"
+            )
+        quantization = None
+    if quantization is not None:
+        quantization.check_device(device.type)
     # Parameters are created in their final dtype on the device, and filled in place: building in float32 and
     # casting would hold twice the weights at the peak.
     with building_on(device, spec.dtype), building_with(group), building_quantized(quantization):

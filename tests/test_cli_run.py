@@ -14,6 +14,7 @@ import pytest
 from conveyor.cli import main
 from conveyor.progress import ProgressLines
 from engine import Embedder
+from tests.engine.hf_oracle import tiny_llama_folder  # noqa: F401  (a fixture)
 from tests.lora_adapters import save_smollm2_adapters
 
 
@@ -308,6 +309,18 @@ def test_run_refuses_a_bad_adapter_before_reading_lines(tmp_path: Path, capsys: 
                       "--lora-adapter", f"x={tmp_path / 'not-an-adapter'}"])
     assert exit_code != 0
     assert "not a PEFT LoRA adapter folder" in capsys.readouterr().err
+
+
+def test_run_passes_quantized_activations_to_the_engine(
+    tmp_path: Path, tiny_llama_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "requests.jsonl"
+    source.write_text(request_line("a", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}) + "\n")
+    # an unquantized folder: the engine refuses the ask by name rather than ignore it
+    exit_code = main(["run", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_folder),
+                      "--quantized-activations", "int8"])
+    assert exit_code != 0
+    assert "quantized_activations='int8' applies to weights the CPU kernels run quantized" in capsys.readouterr().err
 
 
 def png_data_url(picture: Any, truncate: bool = False) -> str:

@@ -6,7 +6,7 @@ this module (engine/quantization/) run them."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 
@@ -20,6 +20,13 @@ SUPPORTED_QUANTIZATION_FORMATS = (
 # What `EngineConfig.quantization` may ask of an unquantized checkpoint: weights quantized at load time.
 WEIGHT_ONLY_METHODS: tuple[str, ...] = ("int8", "int4")
 WeightOnlyMethod = Literal["int8", "int4"]
+# What `EngineConfig.quantized_activations` may ask: "int8", each token's activations quantized at run time in blocks
+# of 32 input features (kernels/quantized_matmul.py's ACTIVATION_BLOCK, one float32 scale a block) and multiplied
+# with the weights' integer quants by integer dot products. Only the CPU kernels' formats do it: GGUF blocks,
+# weight-only int8 / int4 and AWQ / GPTQ's 4-bit groups (FP8 has its own activation scheme, the checkpoint's).
+QUANTIZED_ACTIVATIONS: tuple[str, ...] = ("int8",)
+QuantizedActivations = Literal["int8"]
+_INT8_ACTIVATION_METHODS = ("gguf", "int8", "int4", "awq", "gptq")
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,9 @@ class QuantizationConfig:
     checkpoint_method: str | None = None
     weight_scales: Literal["tensor", "channel"] | None = None
     activation_scheme: Literal["dynamic"] | None = None
+    # GGUF, int8 / int4, AWQ / GPTQ: "int8" when the engine config asks its activations quantized to int8 per
+    # token at run time (`with_quantized_activations`); None: activations in the model's dtype (the exact path).
+    activations: QuantizedActivations | None = None
 
     @property
     def bits(self) -> int | None:
@@ -52,8 +62,23 @@ class QuantizationConfig:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """Device types with kernels for this method."""
-        return ("cpu", "cuda") if self.method in ("awq", "gptq", "fp8") else ("cpu",)
+        """Device types with kernels for this method (int8 activations: the CPU kernels only)."""
+        return ("cpu", "cuda") if self.method in ("awq", "gptq", "fp8") and self.activations is None else ("cpu",)
+
+    def check_device(self, device_type: str) -> None:
+        """Raises, naming what runs where, unless this method (and its activations) has kernels on `device_type`."""
+        if device_type in self.devices:
+            return
+        if self.activations is not None:
+            raise ValueError(
+                f"quantized_activations={self.activations!r} runs on the CPU only (kernels/quantized_matmul's "
+                f"integer dot products; the CUDA paths, Triton W4A16 and FP8, do not quantize activations to int8); "
+                f"device is {device_type}: leave quantized_activations unset there"
+            )
+        raise ValueError(
+            f"quantization {self.method!r} runs on {' and '.join(self.devices)} only "
+            f"(kernels/quantized_matmul.cpp; AWQ / GPTQ / FP8 also on CUDA); device is {device_type}"
+        )
 
     def describe(self) -> dict[str, Any]:
         """Plain data for logs and /v1/models: method, bits, group size, and what else the method has (GGUF
@@ -68,7 +93,34 @@ class QuantizationConfig:
                 checkpoint_method=self.checkpoint_method, weight_scales=self.weight_scales,
                 activations="fp8 per token, dynamic" if self.activation_scheme == "dynamic" else "unquantized",
             )
+        if self.activations == "int8":
+            described["activations"] = "int8 per token, blocks of 32, dynamic"
         return described
+
+
+def with_quantized_activations(
+    quantization: QuantizationConfig | None, activations: QuantizedActivations
+) -> QuantizationConfig:
+    """`quantization` with its activations quantized as `activations` (a value EngineConfig has checked) asks, or a
+    ValueError saying why not: the ask never goes silently unheeded."""
+    if quantization is None or quantization.method not in _INT8_ACTIVATION_METHODS:
+        this = "unquantized" if quantization is None else (
+            f"{quantization.method}, whose activations the checkpoint's own scheme sets"
+            if quantization.method == "fp8" else quantization.method
+        )
+        raise ValueError(
+            f"quantized_activations={activations!r} applies to weights the CPU kernels run quantized: GGUF blocks, "
+            f"quantization int8 / int4 (weight-only, at load) and AWQ / GPTQ 4-bit checkpoints; this model is {this}"
+        )
+    from kernels.quantized_matmul import ACTIVATION_BLOCK  # torch: imported only as a model loads
+
+    if quantization.group_size is not None and quantization.group_size % ACTIVATION_BLOCK:
+        raise ValueError(
+            f"quantized_activations={activations!r} needs weight groups that are whole activation blocks "
+            f"({ACTIVATION_BLOCK} input features); this model's {quantization.method} group size is "
+            f"{quantization.group_size}: pick a quantization_group_size that is a multiple of {ACTIVATION_BLOCK}"
+        )
+    return replace(quantization, activations=activations)
 
 
 def weight_only_quantization(method: str, group_size: int) -> QuantizationConfig:

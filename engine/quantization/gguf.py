@@ -4,7 +4,8 @@ blocks of one output feature. The import (engine/gguf_import.py) copies the bloc
 safetensors as uint8 [rows, row_bytes] tensors and names each tensor's type in config.json; `GGUFTensor` carries
 one into loading. Projections keep the blocks and multiply them with kernels/quantized_matmul, which dequantizes
 on the fly to exactly gguf-py's float32 values (in a bf16 run on a CPU with AVX-512 BF16, those rounded to bf16,
-the weights of its large steps too); every other destination (embeddings, MoE experts) reads the
+the weights of its large steps too), or, with int8 activations, repacked at load (`pack_int8`) and multiplied by
+integer dot products with the tokens' int8 quants; every other destination (embeddings, MoE experts) reads the
 tensor dequantized, exactly, into its dtype. Fused projections whose parts differ in type (a Q4_K_M file's Q6_K
 attn_v beside Q4_K q and k) keep one piece per type, run one after the other."""
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from engine.checkpoint import CheckpointTensor, full_shape
 from kernels import quantized_matmul
-from kernels.quantized_matmul import GGUF_FORMATS
+from kernels.quantized_matmul import GGUF_FORMATS, Activations, Int8Weight
 
 # The quantized GGUF types kept as blocks; the float types (F32, F16, BF16) are read as float tensors.
 SUPPORTED_TYPES: tuple[str, ...] = tuple(GGUF_FORMATS)
@@ -76,13 +77,17 @@ class GGUFTensor:
 
 @dataclass(frozen=True)
 class _Piece:
-    """Consecutive output rows of a projection: GGUF blocks (format_id set) or a float matrix of the file's."""
+    """Consecutive output rows of a projection: GGUF blocks (format_id set; with int8 activations repacked by
+    `pack_int8`) or a float matrix of the file's."""
 
     format_id: int | None
-    weight: torch.Tensor
+    weight: torch.Tensor | Int8Weight
 
 
 class GGUFLinearMethod:
+    def __init__(self, activations: Activations = None) -> None:
+        self.activations = activations  # "int8": blocks repacked for matmul_int8 (float pieces stay F.linear)
+
     def create_weights(self, layer: nn.Module) -> None:
         # A placeholder with the matrix's shape and no memory, so that loading can be checked for completeness;
         # the pieces loaded replace it.
@@ -110,8 +115,14 @@ class GGUFLinearMethod:
                 pieces.append((type_name, weight))
         del layer.gguf_loaded
         layer.gguf_pieces = [
-            _Piece(None if type_name is None else GGUF_FORMATS[type_name][0], weight) for type_name, weight in pieces
+            _Piece(None, weight) if type_name is None else self._piece(GGUF_FORMATS[type_name][0], weight, layer)
+            for type_name, weight in pieces
         ]
+
+    def _piece(self, format_id: int, blocks: torch.Tensor, layer: nn.Module) -> _Piece:
+        if self.activations == "int8":  # the repacked quants hold the same values: the blocks are not kept
+            return _Piece(format_id, quantized_matmul.pack_int8(blocks, format_id, 0, layer.in_features))
+        return _Piece(format_id, blocks)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         outputs = [

@@ -65,11 +65,11 @@ def linear_method(quantization: QuantizationConfig | None) -> LinearMethod:
     if quantization is None:
         return UnquantizedLinearMethod()
     methods: dict[str, Callable[[QuantizationConfig], LinearMethod]] = {
-        "gguf": lambda q: GGUFLinearMethod(),
-        "int8": lambda q: WeightOnlyLinearMethod(8, q.group_size),
-        "int4": lambda q: WeightOnlyLinearMethod(4, q.group_size),
-        "awq": lambda q: W4A16LinearMethod(q.group_size),
-        "gptq": lambda q: W4A16LinearMethod(q.group_size),
+        "gguf": lambda q: GGUFLinearMethod(q.activations),
+        "int8": lambda q: WeightOnlyLinearMethod(8, q.group_size, q.activations),
+        "int4": lambda q: WeightOnlyLinearMethod(4, q.group_size, q.activations),
+        "awq": lambda q: W4A16LinearMethod(q.group_size, q.activations),
+        "gptq": lambda q: W4A16LinearMethod(q.group_size, q.activations),
         "fp8": lambda q: Fp8LinearMethod(dynamic_activations=q.activation_scheme == "dynamic"),
     }
     return methods[quantization.method](quantization)

@@ -32,6 +32,7 @@ from torch import nn
 
 from engine.checkpoint import CheckpointTensor, read_whole
 from kernels import quantized_matmul, w4a16_matmul
+from kernels.quantized_matmul import Activations
 
 Layout = Literal["awq", "gptq"]
 SUPPORTED_BITS = (4,)
@@ -207,12 +208,13 @@ def _contiguous_groups(piece: Int4Piece, group_size: int, name: str) -> tuple[In
 
 
 class W4A16LinearMethod:
-    """AWQ / GPTQ 4-bit weights with 16-bit (or float32) activations: the CPU kernel of kernels/quantized_matmul
-    (UINT4_ZP groups), the Triton GEMM of kernels/w4a16_matmul on CUDA. A projection the checkpoint left in
-    float (the output projection) keeps its float weight."""
+    """AWQ / GPTQ 4-bit weights with 16-bit (or float32) activations, or on the CPU int8 ones where asked: the CPU
+    kernel of kernels/quantized_matmul (UINT4_ZP groups), the Triton GEMM of kernels/w4a16_matmul on CUDA. A
+    projection the checkpoint left in float (the output projection) keeps its float weight."""
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, activations: Activations = None) -> None:
         self.group_size = group_size
+        self.activations = activations  # "int8": repacked for the CPU's matmul_int8 (CUDA refuses it at load)
 
     def create_weights(self, layer: nn.Module) -> None:
         # A placeholder with the matrix's shape and no memory, for loading's completeness check; the pieces
@@ -260,6 +262,10 @@ class W4A16LinearMethod:
             quantized_matmul.load_quantized_kernels()  # a failed build fails the load, not the first step
             layer.w4_format = "cpu"
             layer.qweight = pack_uint4_zp(whole, self.group_size)
+            if self.activations == "int8":  # repacked for matmul_int8: the same values, the groups are not kept
+                layer.qweight = quantized_matmul.pack_int8(
+                    layer.qweight, quantized_matmul.UINT4_ZP, self.group_size, layer.in_features
+                )
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.w4_format is None:

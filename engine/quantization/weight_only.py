@@ -5,9 +5,11 @@ magnitude over 127 (int8) or 7 (int4), and its values divided by the scale, roun
 clamped to [-128, 127] / [-8, 7]: symmetric, no zero point. Stored as blocks like GGUF's, one per group: the
 scale's 4 bytes, then the group's int8 values, or for int4 `group_size / 2` bytes whose low nibbles hold the first
 half of the group and high nibbles the second (value + 8). kernels/quantized_matmul multiplies them dequantizing on
-the fly (value * scale, in float32). Activations stay in the model's dtype (W8A16 / W4A16). Error: a weight moves
-by at most half a step, scale / 2; measured on SmolLM2-135M in README.md. The float weights are loaded first
-and quantized once all are in, so loading peaks at the unquantized model's memory."""
+the fly (value * scale, in float32). Activations stay in the model's dtype (W8A16 / W4A16), or with
+quantized_activations "int8" are quantized per token (W8A8 / W4A8: the groups repacked at load by `pack_int8`,
+integer dot products). Error: a weight moves by at most half a step, scale / 2; measured on SmolLM2-135M in
+README.md. The float weights are loaded first and quantized once all are in, so loading peaks at the unquantized
+model's memory."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from engine.quantization.unquantized import UnquantizedLinearMethod
 from kernels import quantized_matmul
+from kernels.quantized_matmul import Activations
 
 
 _LARGEST = {8: 127, 4: 7}
@@ -53,9 +56,10 @@ def dequantize_rows_reference(blocks: torch.Tensor, bits: int, group_size: int, 
 class WeightOnlyLinearMethod(UnquantizedLinearMethod):
     """Loads float weights as the unquantized method does, then quantizes them."""
 
-    def __init__(self, bits: int, group_size: int) -> None:
+    def __init__(self, bits: int, group_size: int, activations: Activations = None) -> None:
         self.bits = bits
         self.group_size = group_size
+        self.activations = activations
         self.format_id = quantized_matmul.INT8 if bits == 8 else quantized_matmul.INT4
 
     def create_weights(self, layer: nn.Module) -> None:
@@ -69,6 +73,10 @@ class WeightOnlyLinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module, pack_for_cpu: bool) -> None:
         quantized_matmul.load_quantized_kernels()  # a failed build fails the load, not the first step
         layer.qweight = quantize_rows(layer.weight.detach(), self.bits, self.group_size)
+        if self.activations == "int8":  # repacked for matmul_int8: the same values, the groups are not kept
+            layer.qweight = quantized_matmul.pack_int8(
+                layer.qweight, self.format_id, self.group_size, layer.in_features
+            )
         del layer.weight
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,22 @@
 """The greedy oracle the engine tests share: Hugging Face's `generate`, one prompt at a time, with the tiny Llama's
-fixed prompts (GGUF and quantized checkpoints) and the real SmolLM2's chat questions. Free of gguf-py, so the `cuda`
+fixed prompts (GGUF and quantized checkpoints) and the real SmolLM2's chat questions; and the teacher-forced
+agreement measure of the formats that change the numbers (W8A8, int8 activations). Free of gguf-py, so the `cuda`
 tests that use it collect on a machine without it (a lent GPU)."""
 
+from __future__ import annotations
+
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from engine import SamplingParams
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[random.Random(length).randrange(2, 300) for _ in range(length)] for length in (5, 40, 90)]
@@ -70,3 +78,38 @@ def tiny_llama_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     model.float().save_pretrained(folder)
     return folder
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How close a run that changes the numbers stays to its reference, teacher-forced (`teacher_forced_agreement`)."""
+
+    positions: int
+    agreeing: int  # positions whose top token is the reference's
+    mean_logprob_difference: float  # |log-prob difference| of the fed tokens, nats
+    max_logprob_difference: float
+
+    @property
+    def fraction(self) -> float:
+        return self.agreeing / self.positions
+
+
+def teacher_forced_agreement(reference: LLM, candidate: LLM, prompts: list[list[int]]) -> Agreement:
+    """The reference's greedy continuations (GREEDY) of `prompts`, fed to both engines as prompts and scored by
+    their prompt log-probs (one prefill each), so that one differing token does not change every later position:
+    at how many positions the two rank the same top token, and how far apart the log-probs they give the fed tokens
+    are."""
+    forced = [prompt + output.outputs[0].token_ids
+              for prompt, output in zip(prompts, reference.generate(prompts, GREEDY, use_tqdm=False))]
+    scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    agreeing = 0
+    differences = []
+    for theirs, ours in zip(reference.generate(forced, scoring, use_tqdm=False),
+                            candidate.generate(forced, scoring, use_tqdm=False)):
+        for expected, got in zip(theirs.prompt_logprobs, ours.prompt_logprobs):
+            if expected is None:  # the first token has no log-prob
+                continue
+            agreeing += max(expected, key=expected.get) == max(got, key=got.get)
+            token = next(iter(expected))  # the fed token comes first, then the top alternative
+            differences.append(abs(expected[token] - got[token]))
+    return Agreement(len(differences), agreeing, sum(differences) / len(differences), max(differences))

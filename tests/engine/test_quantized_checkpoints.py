@@ -27,7 +27,9 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.quantization.w4a16 import Int4CheckpointTensor, dequantize_piece
-from tests.engine.hf_oracle import GREEDY, PROMPTS, hf_greedy, tiny_llama_folder  # noqa: F401  (a fixture)
+from tests.engine.hf_oracle import (  # noqa: F401  (tiny_llama_folder: a fixture)
+    GREEDY, PROMPTS, hf_greedy, teacher_forced_agreement, tiny_llama_folder,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -237,23 +239,11 @@ def test_fp8_w8a8_agrees_with_the_unquantized_model(tiny_llama_folder, tmp_path)
     checkpoint, _ = make_fp8_checkpoints(tiny_llama_folder, tmp_path, per_channel=False, dynamic=True,
                                          dequantized_copy=False)
     options = dict(dtype="float32", device="cpu", max_num_batched_tokens=64)
-    reference, quantized = LLM(model=str(tiny_llama_folder), **options), LLM(model=str(checkpoint), **options)
-    forced = [prompt + output.token_ids for prompt, output in zip(PROMPTS, _generate(reference))]
-    scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
-    positions = agreeing = 0
-    differences = []
-    for theirs, ours in zip(reference.generate(forced, scoring, use_tqdm=False),
-                            quantized.generate(forced, scoring, use_tqdm=False)):
-        for expected, got in zip(theirs.prompt_logprobs, ours.prompt_logprobs):
-            if expected is None:  # the first token has no log-prob
-                continue
-            positions += 1
-            agreeing += max(expected, key=expected.get) == max(got, key=got.get)
-            token = next(iter(expected))  # the fed token comes first, then the top alternative
-            differences.append(abs(expected[token] - got[token]))
-    assert agreeing >= W8A8_AGREEMENT * positions
-    assert sum(differences) / len(differences) <= W8A8_MEAN_LOGPROB_DIFFERENCE
-    assert max(differences) <= W8A8_MAX_LOGPROB_DIFFERENCE
+    quantized = LLM(model=str(checkpoint), **options)
+    agreement = teacher_forced_agreement(LLM(model=str(tiny_llama_folder), **options), quantized, PROMPTS)
+    assert agreement.fraction >= W8A8_AGREEMENT
+    assert agreement.mean_logprob_difference <= W8A8_MEAN_LOGPROB_DIFFERENCE
+    assert agreement.max_logprob_difference <= W8A8_MAX_LOGPROB_DIFFERENCE
     described = quantized.engine.model_config.quantization.describe()
     assert described == {"method": "fp8", "bits": 8, "group_size": None, "checkpoint_method": "fp8",
                          "weight_scales": "tensor", "activations": "fp8 per token, dynamic"}

@@ -49,8 +49,9 @@ _TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "
           "ffn_up": "Q4_1", "ffn_down": "Q5_0", "output": "Q5_1", "token_embd": "Q8_0"}
 
 
-def write_quantized_gguf(path: Path) -> None:
-    """A two-layer `llama` GGUF (hidden 256, the K-quants' block) with the matrices quantized per `_TYPES`."""
+def write_quantized_gguf(path: Path, types: dict[str, str] = _TYPES) -> None:
+    """A two-layer `llama` GGUF (hidden 256, the K-quants' block) with the matrices quantized per `types`
+    (`_TYPES`'s keys)."""
     hidden, heads, kv_heads, ffn, vocab = 256, 4, 2, 512, 300
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(path, "llama")
@@ -65,10 +66,10 @@ def write_quantized_gguf(path: Path) -> None:
     _write_vocabulary(writer, vocab, sentencepiece=False)
 
     def matrix(name: str, kind: str, rows: int, columns: int) -> None:
-        blocks = random_blocks(rows, columns, _TYPES[kind], rng)
+        blocks = random_blocks(rows, columns, types[kind], rng)
         if kind in ("attn_q", "attn_k"):  # llama.cpp's row order, as its converter writes it; whole rows move
             blocks = _permute(blocks, heads if kind == "attn_q" else kv_heads)
-        writer.add_tensor(name, np.ascontiguousarray(blocks), raw_dtype=gguf.GGMLQuantizationType[_TYPES[kind]])
+        writer.add_tensor(name, np.ascontiguousarray(blocks), raw_dtype=gguf.GGMLQuantizationType[types[kind]])
 
     matrix("token_embd.weight", "token_embd", vocab, hidden)
     matrix("output.weight", "output", vocab, hidden)

@@ -26,6 +26,7 @@ def test_every_field_reads_from_its_variable() -> None:
             "CONVEYOR_ENGINE_MAX_NUM_SEQS": "64",
             "CONVEYOR_ENGINE_ENABLE_PREFIX_CACHING": "false",
             "CONVEYOR_ENGINE_PREEMPTION_MODE": "recompute",
+            "CONVEYOR_ENGINE_QUANTIZED_ACTIVATIONS": "int8",
         }
     )
     assert settings.database_url == "postgresql+psycopg://db/x"
@@ -34,6 +35,7 @@ def test_every_field_reads_from_its_variable() -> None:
     assert settings.engine_config.max_num_seqs == 64
     assert settings.engine_config.enable_prefix_caching is False
     assert settings.engine_config.preemption_mode == "recompute"
+    assert settings.engine_config.quantized_activations == "int8"
 
 
 def test_to_env_round_trips() -> None:
@@ -58,6 +60,7 @@ def test_worker_concurrency_fills_twice_the_running_batch() -> None:
         ("CONVEYOR_CHUNK_SIZE", "many", "CONVEYOR_CHUNK_SIZE"),
         ("CONVEYOR_CHUNK_SIZE", "0", "CONVEYOR_CHUNK_SIZE must be >= 1"),
         ("CONVEYOR_ENGINE_ENABLE_PREFIX_CACHING", "maybe", "expected true or false"),
+        ("CONVEYOR_ENGINE_QUANTIZED_ACTIVATIONS", "int4", "Input should be 'int8'"),
     ],
 )
 def test_bad_values_name_their_variable(variable: str, value: str, message: str) -> None:
