@@ -72,20 +72,19 @@ const RowKernels& row_kernels(Isa isa) {
   }
 }
 
-// The int8-activation kernels of a path: "auto" (avx512_vnni where the CPU has it, else the widest set's plain C++
-// dot product), "avx512_vnni", or "avx512" / "avx2" / "portable"; a path this CPU cannot run is refused.
+// The int8-activation kernels of a path: "avx512_vnni" (vpdpbusd), "avx2" (vpmaddubsw; also what an AVX-512 CPU
+// without VNNI runs: faster there than a plain body compiled for AVX-512) or "portable"; "auto" the best this CPU
+// runs. A path this CPU cannot run, or "avx512" (no such int8 path), is refused.
 const quantized_matmul::Int8Kernels& int8_kernels(const std::string& isa_choice) {
+  TORCH_CHECK(isa_choice != "avx512" && isa_choice != "avx512_bf16",
+              "int8 activations' paths are auto, avx512_vnni, avx2 and portable; got ", isa_choice);
 #if defined(__x86_64__) && defined(__GNUC__)
   if (isa_choice == "avx512_vnni" || (isa_choice == "auto" && has_avx512_vnni())) {
     TORCH_CHECK(has_avx512_vnni(), "this CPU cannot run the avx512_vnni path (no AVX-512 VNNI; best: ",
                 isa_name(best_isa()), ")");
     return quantized_matmul::isa_avx512_vnni::int8_kernels;
   }
-  switch (parse_isa(isa_choice)) {
-    case Isa::Avx512: return quantized_matmul::isa_avx512::int8_kernels;
-    case Isa::Avx2: return quantized_matmul::isa_avx2::int8_kernels;
-    default: break;
-  }
+  if (parse_isa(isa_choice) != Isa::Portable) return quantized_matmul::isa_avx2::int8_kernels;
 #else
   TORCH_CHECK(isa_choice != "avx512_vnni", "the avx512_vnni path is x86-64 only");
   parse_isa(isa_choice);
@@ -237,7 +236,7 @@ at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::
 }
 
 std::string int8_path() {
-  return has_avx512_vnni() ? "avx512_vnni" : isa_name(best_isa());
+  return has_avx512_vnni() ? "avx512_vnni" : best_isa() == Isa::Portable ? "portable" : "avx2";
 }
 
 std::string best_isa_name() { return isa_name(best_isa()); }
@@ -247,7 +246,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x @ dequantize(weight).T, dequantizing a tile of rows at a time");
   m.def("pack_int8", &pack_int8, "a quantized weight repacked for matmul_int8: quants, scales, mins");
   m.def("matmul_int8", &matmul_int8, "int8-quantized x @ the packed weight's values.T, integer dot products");
-  m.def("int8_path", &int8_path, "the path matmul_int8's auto takes here: avx512_vnni, avx512, avx2 or portable");
+  m.def("int8_path", &int8_path, "the path matmul_int8's auto takes here: avx512_vnni, avx2 or portable");
   m.def("best_isa", &best_isa_name, "the widest instruction set this CPU runs: avx512, avx2 or portable");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs the avx512_bf16 path (bf16 x)");
 }

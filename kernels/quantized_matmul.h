@@ -114,7 +114,6 @@ struct Int8Kernels {
 #if defined(__x86_64__) && defined(__GNUC__)
 namespace isa_avx512 { extern const RowKernels row_kernels; }  // quantized_matmul_avx512.cpp
 namespace isa_avx2 { extern const RowKernels row_kernels; }  // quantized_matmul_avx2.cpp
-namespace isa_avx512 { extern const Int8Kernels int8_kernels; }
 namespace isa_avx2 { extern const Int8Kernels int8_kernels; }
 namespace isa_avx512_vnni { extern const Int8Kernels int8_kernels; }  // quantized_matmul_avx512_vnni.cpp
 // quantized_matmul_avx512_bf16.cpp (quantized_matmul_bf16.h): out[:, begin:end] = x @ bf16(dequantize(weight)).T for

@@ -22,8 +22,8 @@ weight-only formula for groups) in float32, then torch's matmul (of the bf16-rou
 
 int8 activations (`pack_int8` once at load, then `matmul_int8`; quantized_matmul_int8.h): each step's x is quantized
 per token in blocks of 32 to int8 and multiplied by the weights' own integer quants with integer dot products
-(AVX-512 VNNI's vpdpbusd where the CPU has it, `quantized_matmul_avx512_vnni.cpp`; else the plain C++ dot product of
-the widest set), as llama.cpp multiplies its blocks. Not exact: its oracle is the float64 product of the quantized x
+(AVX-512 VNNI's vpdpbusd where the CPU has it, `quantized_matmul_avx512_vnni.cpp`; else AVX2's vpmaddubsw, in
+`quantized_matmul_avx2.cpp`; else a plain C++ dot product, `_portable.cpp`), as llama.cpp multiplies its blocks. Not exact: its oracle is the float64 product of the quantized x
 and the dequantized weights (`matmul_int8_reference`), which it equals to float32 rounding.
 """
 
@@ -50,7 +50,7 @@ _SOURCES = [
     )
 ]
 
-# avx512_bf16: bf16 x only (matmul); avx512_vnni: matmul_int8 only
+# avx512_bf16: bf16 x only (matmul); avx512_vnni: matmul_int8 only, whose paths are auto, avx512_vnni, avx2, portable
 Isa = Literal["auto", "avx512_bf16", "avx512_vnni", "avx512", "avx2", "portable"]
 
 # Weight formats by name: (format id the C++ kernels know, values per block, bytes per block); for INT8 and INT4
@@ -148,8 +148,8 @@ def matmul_int8(x: torch.Tensor, weight: Int8Weight, isa: Isa = "auto") -> torch
 
 
 def int8_path() -> str:
-    """The path `matmul_int8(isa="auto")` runs on this CPU: avx512_vnni, else avx512, avx2 or portable (the plain
-    C++ dot product compiled for that set)."""
+    """The path `matmul_int8(isa="auto")` runs on this CPU: avx512_vnni (vpdpbusd), avx2 (vpmaddubsw: also on
+    AVX-512 CPUs without VNNI) or portable (plain C++)."""
     return load_quantized_kernels().int8_path()
 
 

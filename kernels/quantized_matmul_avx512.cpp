@@ -9,7 +9,6 @@
 namespace quantized_matmul::isa_avx512 {
 #define VEC_FLOATS 16
 #include "quantized_matmul_body.h"
-#include "quantized_matmul_int8.h"  // its int8-activation kernels, with the plain C++ dot product
 #undef VEC_FLOATS
 }  // namespace quantized_matmul::isa_avx512
 #pragma GCC pop_options

@@ -1,10 +1,10 @@
 // The int8-activation body of the quantized matmul (llama.cpp's way of multiplying quantized weights): the step's
 // tokens are quantized to int8 and multiplied by the weights' own integer quants with integer dot products, instead
 // of dequantizing the weights to floats. Included inside `namespace quantized_matmul::isa_<name>` under that set's
-// `#pragma GCC target(...)`: by quantized_matmul_avx512.cpp, _avx2.cpp and _portable.cpp (after the float body), with
-// the plain C++ dot product below, and by quantized_matmul_avx512_vnni.cpp with INT8_VNNI defined, whose dot product
-// is AVX-512 VNNI's vpdpbusd (64 byte products an instruction, against vdpbf16ps' 32 bf16 ones). Each exports its
-// set's `int8_kernels` (quantized_matmul.h).
+// `#pragma GCC target(...)`, each exporting its set's `int8_kernels` (quantized_matmul.h):
+// quantized_matmul_avx512_vnni.cpp with INT8_VNNI defined (AVX-512 VNNI's vpdpbusd: 64 byte products an instruction,
+// against vdpbf16ps' 32 bf16 ones), quantized_matmul_avx2.cpp with INT8_AVX2 (vpmaddubsw + vpmaddwd, which AVX-512
+// CPUs without VNNI run too) and quantized_matmul_portable.cpp (a plain C++ dot product).
 //
 // Activations: per token, per block of 32 values, scale = max |x| / 127 and q = round(x / scale), halves to even,
 // in float32: exactly kernels/quantized_matmul.py's quantize_activations_reference; and scale * sum(q) per 16 and
@@ -233,6 +233,8 @@ static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t* x) 
   return acc;
 }
 
+constexpr int kInt8Tokens = 8;  // tokens a pass: 8 int32 and 8 float32 accumulators of 16 lanes
+
 // out[t0 .. t0 + MT, 0 .. rows) for MT tokens and one tile's 16 rows (an int32 / float32 lane each).
 template <int MT, int kBits, int kSub, bool kMin>
 static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
@@ -277,6 +279,83 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
   }
   for (int t = 0; t < MT; ++t) _mm512_mask_storeu_ps(out + (t0 + t) * ldo, mask, acc[t]);
 }
+#elif defined(INT8_AVX2)
+// AVX2 without VNNI: vpmaddubsw multiplies unsigned by signed bytes into int16 pairs (saturating) and vpmaddwd sums
+// the pairs into int32 lanes. Quants of up to 6 bits go in as they are (a pair is at most 2 * 63 * 127, inside
+// int16); the 8-bit formats (u = q + 128) take llama.cpp's sign trick, |q| times x with q's sign (at most
+// 2 * 128 * 127), which gives the signed sum itself, so their zero point is not subtracted again. A pass takes half
+// the tile's rows (8 lanes) and 4 tokens, so that the accumulators fit AVX2's 16 registers.
+constexpr int kInt8Tokens = 4;
+
+static inline __m256i int8_lane_mask(int64_t lanes) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+template <int MT, int kBits, int kSub, bool kMin>
+static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
+                              int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
+                              float* out, int64_t ldo, int64_t rows) {
+  const int64_t xblocks = columns / kActivationBlock;
+  const bool sign_trick = kBits == 8 && offset == 128.0f;
+  const __m256 zero_point = _mm256_set1_ps(sign_trick ? 0.0f : offset);
+  const __m256i ones = _mm256_set1_epi16(1), low_nibbles = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+  for (int half = 0; half < 2 && rows > 8 * half; ++half) {
+    const __m256i mask = int8_lane_mask(rows - 8 * half);
+    __m256 acc[MT];
+    for (int t = 0; t < MT; ++t)
+      acc[t] = accumulate ? _mm256_maskload_ps(out + (t0 + t) * ldo + 8 * half, mask) : _mm256_setzero_ps();
+    for (int64_t s = s_begin; s < s_end; ++s) {
+      __m256i dot[MT];
+      for (int t = 0; t < MT; ++t) dot[t] = _mm256_setzero_si256();
+      const int64_t k0 = s * kSub;
+      const auto multiply = [&](const __m256i w, int64_t k) __attribute__((always_inline)) {
+        if (sign_trick) {
+          const __m256i q = _mm256_xor_si256(w, flip), magnitude = _mm256_abs_epi8(q);  // q = u - 128
+          for (int t = 0; t < MT; ++t) {
+            int32_t xq;
+            __builtin_memcpy(&xq, x.quants + (t0 + t) * columns + k, 4);
+            const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(xq), q));
+            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(pairs, ones));
+          }
+        } else {
+          for (int t = 0; t < MT; ++t) {
+            int32_t xq;
+            __builtin_memcpy(&xq, x.quants + (t0 + t) * columns + k, 4);
+            const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(xq));
+            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      };
+      if constexpr (kBits == 8) {
+        for (int j = 0; j < kSub / 4; ++j)
+          multiply(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + (k0 / 4 + j) * 64 + 32 * half)),
+                   k0 + 4 * j);
+      } else {
+        for (int i = 0; i < kSub / 8; ++i) {
+          const __m256i packed =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + (k0 / 8 + i) * 64 + 32 * half));
+          multiply(_mm256_and_si256(packed, low_nibbles), k0 + 8 * i);
+          multiply(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles), k0 + 8 * i + 4);
+        }
+      }
+      const __m256 ds = _mm256_loadu_ps(d + s * kTileRows + 8 * half);
+      const float* scaled_sums = kSub == 32 ? x.scaled_sums32 + s : x.scaled_sums16 + s;
+      const int64_t xb = k0 / kActivationBlock, sums_per_token = columns / kSub;
+      for (int t = 0; t < MT; ++t) {
+        const __m256 scale = _mm256_set1_ps(x.scales[(t0 + t) * xblocks + xb]);
+        const __m256 scaled_sum = _mm256_set1_ps(scaled_sums[(t0 + t) * sums_per_token]);
+        if constexpr (kMin) {
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(ds, scale), acc[t]);
+          acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(m + s * kTileRows + 8 * half), scaled_sum, acc[t]);
+        } else {
+          const __m256 shifted = _mm256_fnmadd_ps(zero_point, scaled_sum, _mm256_mul_ps(_mm256_cvtepi32_ps(dot[t]), scale));
+          acc[t] = _mm256_fmadd_ps(ds, shifted, acc[t]);
+        }
+      }
+    }
+    for (int t = 0; t < MT; ++t) _mm256_maskstore_ps(out + (t0 + t) * ldo + 8 * half, mask, acc[t]);
+  }
+}
 #else
 typedef int32_t int8_vi __attribute__((vector_size(kTileRows * 4), aligned(4)));
 typedef float int8_vf __attribute__((vector_size(kTileRows * 4), aligned(4)));
@@ -287,6 +366,8 @@ typedef float int8_vf_alias __attribute__((vector_size(kTileRows * 4), aligned(4
 // Plain vector loads, not memcpy (see quantized_matmul_body.h's `load`).
 static inline int8_vi int8_load_ints(const void* p) { return *reinterpret_cast<const int8_vi_alias*>(p); }
 static inline int8_vf int8_load_floats(const float* p) { return *reinterpret_cast<const int8_vf_alias*>(p); }
+
+constexpr int kInt8Tokens = 8;
 
 // The same for any instruction set, in plain vector arithmetic (GCC lowers it to the target's width): each dword's
 // four quants widened to int32 lanes and multiplied by the token's.
@@ -348,7 +429,7 @@ template <int kBits, int kSub, bool kMin>
 static void int8_tiles(const Int8Activations& x, const uint8_t* quants, const float* scales, const float* mins,
                        float offset, int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows, float* out) {
   const int64_t subs = columns / kSub, tile_bytes = kTileRows * columns * kBits / 8, chunk = kChunkColumns / kSub;
-  constexpr int kTokens = 8;  // tokens a pass: 8 int32 and 8 float32 accumulators of 16 lanes
+  constexpr int kTokens = kInt8Tokens;
   for (int64_t tile = first_tile; tile < last_tile; ++tile) {
     const uint8_t* q = quants + tile * tile_bytes;
     const float* d = scales + tile * subs * kTileRows;
@@ -361,7 +442,7 @@ static void int8_tiles(const Int8Activations& x, const uint8_t* quants, const fl
       for (; t + kTokens <= x.tokens; t += kTokens)
         int8_micro<kTokens, kBits, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows,
                                                          tile_rows);
-      for (; t + 4 <= x.tokens; t += 4)
+      for (; kTokens > 4 && t + 4 <= x.tokens; t += 4)
         int8_micro<4, kBits, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
       for (; t < x.tokens; ++t)
         int8_micro<1, kBits, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);

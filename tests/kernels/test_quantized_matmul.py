@@ -10,9 +10,9 @@ name: the AVX-512, AVX2 and portable builds all run on an AVX-512 machine):
   them back bit for bit) and equals the float32 matmul of those to float32 rounding, every format, odd shapes,
   tokens 1..33; `auto` takes it for bf16 x only;
 - `linear` (the layers' entry) in bf16 and above the dequantize threshold;
-- int8 activations (`matmul_int8` on `pack_int8`'s layout): every format, on every path (the plain C++ dot product
-  per instruction set and AVX-512 VNNI), against the float64 product of the quantized x and the dequantized weight;
-  halves rounded to even as torch.round.
+- int8 activations (`matmul_int8` on `pack_int8`'s layout): every format, on every path (portable C++, AVX2's
+  vpmaddubsw with the 8-bit formats' sign trick, AVX-512 VNNI), against the float64 product of the quantized x and
+  the dequantized weight; halves rounded to even as torch.round; "avx512" is not an int8 path and is refused.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def _int8_formats(rows: int) -> list[tuple[str, int, int, int, torch.Tensor]]:
 
 
 def _int8_paths() -> list[str]:
-    return _paths() + (["avx512_vnni"] if quantized_matmul.int8_path() == "avx512_vnni" else [])
+    return [p for p in _paths() if p != "avx512"] + (["avx512_vnni"] if quantized_matmul.int8_path() == "avx512_vnni" else [])
 
 
 @pytest.mark.parametrize("case", _int8_formats(37), ids=lambda case: case[0])
@@ -251,6 +251,13 @@ def test_int8_activations_round_halves_to_even():
         torch.testing.assert_close(got, quantized_matmul.matmul_int8_reference(x, dequantized), rtol=1e-6, atol=0)
         torch.testing.assert_close(got[0, :6], torch.tensor([127.0, 2.0, 4.0, -2.0, 0.0, -126.0]) * dequantized[0, 0],
                                    rtol=1e-6, atol=0)
+
+
+def test_int8_activations_refuse_a_path_they_do_not_have():
+    weight = quantize_rows(torch.randn(16, 32), 8, 32)
+    packed = quantized_matmul.pack_int8(weight, quantized_matmul.INT8, 32, 32)
+    with pytest.raises(RuntimeError, match="paths are auto, avx512_vnni, avx2 and portable"):
+        quantized_matmul.matmul_int8(torch.randn(1, 32), packed, "avx512")
 
 
 def test_int8_activations_refuse_groups_that_split_their_blocks():
