@@ -1,13 +1,14 @@
-"""Quantized weights on the CPU against the dtype the CPU runs fastest (bf16 where it has AVX-512 BF16 or AMX), one
-process, side by side: output tok/s on a decode-heavy slice of bench/throughput's workload (random prompt ids,
+"""Quantized weights on the CPU against the dtype the CPU runs fastest (the engine's `auto`: bf16 where it has AVX-512
+BF16 or AMX, else float32), one process, side by side: output tok/s on a decode-heavy slice of bench/throughput's workload (random prompt ids,
 greedy, `ignore_eos`, every request submitted at once), and the bytes of the weights the model holds.
 
 Rows, all the bundled SmolLM2-135M (or `--gguf FILE`):
-- bf16: the GGUF's values dequantized into an unquantized bf16 folder (what the import wrote before it kept blocks);
+- bf16 (or float32): the GGUF's values dequantized into an unquantized bf16 folder (what the import wrote before it
+  kept blocks), run in that dtype;
 - int8 / int4: that folder with `quantization="int8" / "int4"` (weight-only, groups of 64, at load);
 - gguf <types>: the file's blocks as they are (SmolLM2's: Q4_1 matrices, a Q8_0 embedding), and the same model
   requantized to Q8_0 by gguf-py (what importing a Q8_0 file of it gives).
-Activations are bf16, and with `--activations int8` (the default runs both) each quantized row runs again with
+Activations are in that dtype, and with `--activations int8` (the default runs both) each quantized row runs again with
 `quantized_activations="int8"` (its matmuls quantize the activations to int8 per token, blocks of 32, and
 multiply with integer dot products), its label ending "+ int8 activations". A second table states int8's and
 int4's error against the unquantized model (float32, greedy), with int8 activations too where asked. Weight bytes:
@@ -34,6 +35,7 @@ from bench.common import markdown_table, ratio, run_cli
 from bench.report import describe_machine
 from bench.throughput import BenchResult, make_workload, run_conveyor
 from engine import LLM, SamplingParams
+from engine.dtypes import resolve_dtype
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.parallel_layers import QuantizableLinear
 from engine.quantization.gguf import GGUFTensor
@@ -55,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--error-tokens", type=int, default=32, help="greedy tokens per prompt of the error table")
     parser.add_argument(
         "--activations", nargs="+", choices=["none", "int8"], default=["none", "int8"],
-        help="the quantized rows' activations: none (bf16, the model's dtype) and / or int8 (quantized_activations)",
+        help="the quantized rows' activations: none (the model's dtype) and / or int8 (quantized_activations)",
     )
 
 
@@ -161,11 +163,13 @@ def run(args: argparse.Namespace) -> None:
     types = ", ".join(f"{name} x{count}" for name, count in sorted(
         {t: list(source.hf_config["quantization_config"]["tensor_types"].values()).count(t)
          for t in set(source.hf_config["quantization_config"]["tensor_types"].values())}.items()))
-    paths = auto_path(torch.bfloat16) + (f", with int8 activations {int8_path()}" if "int8" in args.activations else "")
+    dtype = resolve_dtype("auto", torch.device("cpu"))
+    dtype_name = "bf16" if dtype == torch.bfloat16 else "float32"
+    paths = auto_path(dtype) + (f", with int8 activations {int8_path()}" if "int8" in args.activations else "")
     print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; quantized kernels' path: {paths}")
     print(f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs "
-          f"{args.output_len[0]}-{args.output_len[1]}, max_num_seqs {args.max_num_seqs}, activations bf16 unless a "
-          f"row says int8", flush=True)
+          f"{args.output_len[0]}-{args.output_len[1]}, max_num_seqs {args.max_num_seqs}, activations {dtype_name} "
+          f"unless a row says int8", flush=True)
     rows: list[tuple[str, BenchResult, int]] = []
     with tempfile.TemporaryDirectory() as scratch:
         float_folder = _float_folder(source.path, Path(scratch) / "bf16")
@@ -177,21 +181,22 @@ def run(args: argparse.Namespace) -> None:
             (f"gguf as the file ({types})", source.path, {}),
         ]
         setups = [
-            ("bf16", float_folder, {}),
+            (dtype_name, float_folder, {}),
             *[(_label(label, activation), folder, {**options,
                                                    "quantized_activations": _quantized_activations(activation)})
               for label, folder, options in quantized for activation in args.activations],
-            ("bf16 again (drift check)", float_folder, {}),  # a busy machine shows as the two bf16 rows differing
+            (f"{dtype_name} again (drift check)", float_folder, {}),  # a busy machine shows as the two rows differing
         ]
         for label, folder, options in setups:
-            llm = LLM(model=str(folder), dtype="bfloat16", device="cpu", max_num_seqs=args.max_num_seqs, **options)
+            llm = LLM(model=str(folder), dtype=str(dtype).removeprefix("torch."), device="cpu",
+                      max_num_seqs=args.max_num_seqs, **options)
             rows.append((label, run_conveyor(llm, requests), weight_bytes(llm)))
             print(f"  {label}: {rows[-1][1].tokens_per_second:.1f} tok/s", flush=True)
             del llm
         print(error_table(float_folder, requests, args.error_tokens, args.activations), flush=True)
     baseline, baseline_bytes = rows[0][1], rows[0][2]
     print(markdown_table(
-        ["weights", "output tok/s", "vs bf16", "weight MiB", "vs bf16"],
+        ["weights", "output tok/s", f"vs {dtype_name}", "weight MiB", f"vs {dtype_name}"],
         [(label, f"{result.tokens_per_second:.1f}", ratio(result.tokens_per_second, baseline.tokens_per_second),
           f"{size / 2**20:.1f}", ratio(baseline_bytes, size).replace("x", "x smaller"))
          for label, result, size in rows],

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import re
 import time
@@ -78,6 +79,25 @@ _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 Int8DecodePath = Literal["auto", "avx512", "avx2", "portable"]
 
 
+# CONVEYOR_CPU_ISA: caps the instruction sets every C++ kernel uses below what the CPU runs ("avx2": AVX2 + FMA,
+# "portable": baseline x86-64), so that an AVX-512 machine stands in for an AVX2-only one; unset: what the CPU runs.
+# isa_dispatch.h reads the same variable for the kernels that pick a body at run time.
+CPU_ISA_CAPS = ("avx2", "portable")
+
+
+def cpu_isa_cap() -> str | None:
+    """CONVEYOR_CPU_ISA's cap, or None; any other value is refused."""
+    cap = os.environ.get("CONVEYOR_CPU_ISA", "")
+    if cap and cap not in CPU_ISA_CAPS:
+        raise ValueError(f"CONVEYOR_CPU_ISA must be one of {', '.join(CPU_ISA_CAPS)} (or unset); got {cap!r}")
+    return cap or None
+
+
+def march_flag() -> str:
+    """The -march of the kernels built for this machine: native, or the cap's baseline (x86-64-v3 is AVX2 + FMA)."""
+    return {None: "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}[cpu_isa_cap()]
+
+
 @cache
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled extension, or None where it cannot be built (no compiler, no ninja)."""
@@ -86,7 +106,7 @@ def load_cpu_kernels() -> ModuleType | None:
             f"conveyor_cpu_kernels_{build_digest(*_SOURCES)}",
             "the C++ CPU kernels",
             _SOURCES,
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_cflags=["-O3", march_flag(), "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as error:  # any build failure means: use the torch path
@@ -153,12 +173,14 @@ def build_digest(*sources: Path) -> str:
     checkouts of different versions on one machine (a CI clone beside a working tree) neither load nor rebuild one
     another's. The checkout's path: torch's build file records the sources' absolute paths, so two checkouts of one
     version sharing a build would rebuild it in turn. The CPU: `-march=native` code from another CPU (a home
-    directory moved between an AMX and an AVX-512 machine) could stop on an illegal instruction."""
+    directory moved between an AMX and an AVX-512 machine) could stop on an illegal instruction; and its cap
+    (`march_flag`), whose builds differ on one CPU."""
     digest = hashlib.sha256()
     for source in _with_local_headers(sources):
         digest.update(source.read_bytes())
         digest.update(str(source.resolve()).encode())
     digest.update(_cpu_identity().encode())
+    digest.update(march_flag().encode())
     return digest.hexdigest()[:12]
 
 

@@ -1,16 +1,31 @@
 // The run-time choice of instruction set for the C++ kernels that compile a body per set (quantized_matmul.cpp,
 // kv_int8_decode.cpp): the widest this CPU runs, and a requested one checked against it; and AVX-512 BF16 and
-// VNNI, which only the quantized matmul's bf16 and int8-activation paths use.
+// VNNI, which only the quantized matmul's bf16 and int8-activation paths use. CONVEYOR_CPU_ISA=avx2 (or portable)
+// caps all of them below what the CPU runs, so that an AVX-512 machine can stand in for an AVX2-only one
+// (kernels/cpu_kernels.py's cpu_isa_cap reads the same variable for the -march of the other kernels).
 #pragma once
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
 #include <string>
 
 namespace isa_dispatch {
 
 enum class Isa { Portable, Avx2, Avx512 };
 
-inline Isa best_isa() {
+// The cap CONVEYOR_CPU_ISA sets (unset or empty: none), read once a process.
+inline Isa isa_cap() {
+  static const Isa cap = [] {
+    const char* value = std::getenv("CONVEYOR_CPU_ISA");
+    const std::string name = value == nullptr ? "" : value;
+    TORCH_CHECK(name.empty() || name == "avx2" || name == "portable",
+                "CONVEYOR_CPU_ISA must be avx2 or portable (or unset); got ", name);
+    return name == "portable" ? Isa::Portable : name == "avx2" ? Isa::Avx2 : Isa::Avx512;
+  }();
+  return cap;
+}
+
+inline Isa cpu_isa() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
@@ -19,6 +34,12 @@ inline Isa best_isa() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
 #endif
   return Isa::Portable;
+}
+
+// The widest set this CPU runs, under the cap.
+inline Isa best_isa() {
+  const Isa cpu = cpu_isa(), cap = isa_cap();
+  return (int)cpu < (int)cap ? cpu : cap;
 }
 
 inline const char* isa_name(Isa isa) {

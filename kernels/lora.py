@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpu_kernels import build_digest, load_extension
+from kernels.cpu_kernels import build_digest, load_extension, march_flag
 from kernels.triton_utils import require_triton, tl, triton
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def load_lora_cpu_kernels() -> ModuleType | None:
     try:
         return load_extension(
             f"conveyor_lora_cpu_{build_digest(_CPU_SOURCE)}", "the C++ LoRA kernel", [_CPU_SOURCE],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", march_flag(), "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
         )
     except Exception as error:  # any build failure means: use the torch path
         log.warning("the C++ LoRA kernel is unavailable, using the torch path: %s", error)
