@@ -1,4 +1,5 @@
-"""`dtype="auto"` on a CPU picks bf16 only where the CPU has bf16 instructions."""
+"""`dtype="auto"` on a CPU picks bf16 only where the CPU has bf16 instructions, and never under a CONVEYOR_CPU_ISA
+cap (an AVX-512 machine standing in for an AVX2-only one)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from engine import dtypes
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache():
+def _fresh_cache(monkeypatch):
+    monkeypatch.delenv("CONVEYOR_CPU_ISA", raising=False)  # the flags below decide, even in a capped run
     dtypes.cpu_has_fast_bf16.cache_clear()
     yield
     dtypes.cpu_has_fast_bf16.cache_clear()
@@ -42,6 +44,14 @@ def test_off_linux_onednn_decides(monkeypatch) -> None:
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     monkeypatch.setattr(dtypes, "_linux_cpu_flags", lambda: None)
     assert dtypes.cpu_has_fast_bf16()
+
+
+def test_a_cap_stands_in_for_a_cpu_without_bf16(monkeypatch) -> None:
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(dtypes, "_linux_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx2")
+    assert not dtypes.cpu_has_fast_bf16()
+    assert dtypes.resolve_dtype("auto", torch.device("cpu")) == torch.float32
 
 
 def test_this_machines_flags_are_read() -> None:
