@@ -111,7 +111,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, format_id: int, group: int, is
 # int8 activations (`matmul_int8`, llama.cpp's way): each token's values are quantized in blocks of this many input
 # features, one float32 scale a block.
 ACTIVATION_BLOCK = 32
-Activations = Literal["int8"] | None  # None: x as it is (the model's dtype)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint import CheckpointTensor, full_shape
+from engine.quantization.config import QuantizedActivations
 from kernels import quantized_matmul
-from kernels.quantized_matmul import GGUF_FORMATS, Activations, Int8Weight
+from kernels.quantized_matmul import GGUF_FORMATS, Int8Weight
 
 # The quantized GGUF types kept as blocks; the float types (F32, F16, BF16) are read as float tensors.
 SUPPORTED_TYPES: tuple[str, ...] = tuple(GGUF_FORMATS)
@@ -85,7 +86,7 @@ class _Piece:
 
 
 class GGUFLinearMethod:
-    def __init__(self, activations: Activations = None) -> None:
+    def __init__(self, activations: QuantizedActivations | None = None) -> None:
         self.activations = activations  # "int8": blocks repacked for matmul_int8 (float pieces stay F.linear)
 
     def create_weights(self, layer: nn.Module) -> None:

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint import CheckpointTensor, read_whole
+from engine.quantization.config import QuantizedActivations
 from kernels import quantized_matmul, w4a16_matmul
-from kernels.quantized_matmul import Activations
 
 Layout = Literal["awq", "gptq"]
 SUPPORTED_BITS = (4,)
@@ -212,7 +212,7 @@ class W4A16LinearMethod:
     kernel of kernels/quantized_matmul (UINT4_ZP groups), the Triton GEMM of kernels/w4a16_matmul on CUDA. A
     projection the checkpoint left in float (the output projection) keeps its float weight."""
 
-    def __init__(self, group_size: int, activations: Activations = None) -> None:
+    def __init__(self, group_size: int, activations: QuantizedActivations | None = None) -> None:
         self.group_size = group_size
         self.activations = activations  # "int8": repacked for the CPU's matmul_int8 (CUDA refuses it at load)
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.quantization.config import QuantizedActivations
 from engine.quantization.unquantized import UnquantizedLinearMethod
 from kernels import quantized_matmul
-from kernels.quantized_matmul import Activations
 
 
 _LARGEST = {8: 127, 4: 7}
@@ -56,7 +56,7 @@ def dequantize_rows_reference(blocks: torch.Tensor, bits: int, group_size: int, 
 class WeightOnlyLinearMethod(UnquantizedLinearMethod):
     """Loads float weights as the unquantized method does, then quantizes them."""
 
-    def __init__(self, bits: int, group_size: int, activations: Activations = None) -> None:
+    def __init__(self, bits: int, group_size: int, activations: QuantizedActivations | None = None) -> None:
         self.bits = bits
         self.group_size = group_size
         self.activations = activations
