@@ -95,9 +95,10 @@ def _write_folder(converted: Path, out: Path, tensors: dict[str, torch.Tensor], 
 
 def weight_bytes(llm: LLM) -> int:
     """Bytes of the projections' weights as held (blocks, scales, their repack for int8 activations, or one float
-    copy) and of the embedding."""
+    copy) and of the embedding (a GGUF's blocks, or float)."""
     model = llm.engine.model
-    total = model.model.embed_tokens.weight.nbytes
+    embedding = model.model.embed_tokens
+    total = (embedding.weight if embedding.blocks is None else embedding.blocks).nbytes
     for module in model.modules():
         if not isinstance(module, QuantizableLinear):
             continue

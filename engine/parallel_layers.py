@@ -22,8 +22,11 @@ from torch import nn
 
 from engine.checkpoint import CheckpointTensor, full_shape, read_whole
 from engine.distributed import TensorParallelGroup, current_group
+from engine.quantization.gguf import GGUFTensor
 from engine.quantization.linear_method import current_linear_method
 from engine.quantization.unquantized import UnquantizedLinearMethod, dense_linear, prepack
+from kernels import quantized_matmul
+from kernels.quantized_matmul import GGUF_FORMATS
 
 # Which piece of a parameter one checkpoint tensor fills, for the sharded layer that places this rank's slice of it:
 # the index of a fused projection's part (q, k, v; gate, up), or of stacked experts (expert, part: gate 0, up 1,
@@ -180,25 +183,48 @@ def _load_vocab_rows(weight: torch.Tensor, tensor: CheckpointTensor, vocab_size:
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary split across ranks: each rank looks up the ids it holds (zeros for the
-    others) and one all-reduce sums the rows."""
+    others) and one all-reduce sums the rows. A GGUF's quantized embedding keeps its blocks instead of `weight`
+    (`blocks`, uint8 [rows, row_bytes] of GGUF format `format_id`), and a lookup dequantizes the rows it reads to
+    the same values a float copy would hold, at the blocks' bytes."""
+
+    blocks: torch.Tensor | None = None
+    format_id: int | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.group = current_group()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.start, self.end, rows = vocab_shard(vocab_size, self.group)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.dtype = torch.get_default_dtype()
 
     def load(self, leaf: str, tensor: CheckpointTensor, part: int | None) -> int:
-        return _load_vocab_rows(self.weight, tensor, self.vocab_size, self.group)
+        if not isinstance(tensor, GGUFTensor):
+            return _load_vocab_rows(self.weight, tensor, self.vocab_size, self.group)
+        shape = full_shape(tensor)
+        if shape != (self.vocab_size, self.hidden_size):
+            raise ValueError(f"checkpoint shape {shape} != {(self.vocab_size, self.hidden_size)} expected")
+        # Only the ranks' own rows: ids beyond them are masked before the lookup, the padding rows never read.
+        self.blocks = tensor.blocks((slice(self.start, self.end),)).contiguous()
+        self.format_id = GGUF_FORMATS[tensor.type_name][0]
+        rows = self.weight.shape[0]
+        del self.weight
+        return rows * self.hidden_size
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         outside = (input_ids < self.start) | (input_ids >= self.end)
         local_ids = (input_ids - self.start).masked_fill_(outside, 0)
-        rows = F.embedding(local_ids, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        rows = self._rows(local_ids).masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.group.all_reduce(rows)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return F.embedding(ids, self.weight)
+        quantized = self.blocks.index_select(0, ids.reshape(-1))
+        rows = quantized_matmul.dequantize(quantized, self.format_id, 0, self.hidden_size).to(self.dtype)
+        return rows.reshape(*ids.shape, self.hidden_size)
 
 
 class ParallelLMHead(QuantizableLinear):

@@ -23,6 +23,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.distributed import current_group
+from engine.quantization.linear_method import current_quantization
 from engine.quantization.unquantized import prepack
 from engine.parallel_layers import (
     CheckpointPart,
@@ -341,7 +342,13 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.kernels = kernels
         self.model = LlamaModel(config, backend, kernels, self.layer_class)
-        if not config.tie_word_embeddings:
+        quantization = current_quantization()
+        # A tied output projection where quantization applies to it is a projection of its own, loaded from the
+        # embedding's tensor (its quantized copy); otherwise it reads the float embedding.
+        self.own_output = not config.tie_word_embeddings or (
+            quantization is not None and quantization.tied_output_quantized
+        )
+        if self.own_output:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.group = current_group()
 
@@ -373,7 +380,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, vocab] float32 on the first tensor-parallel rank (the only one when not sharded); None on the others."""
-        if not self.config.tie_word_embeddings:
+        if self.own_output:
             logits = self.lm_head(hidden)
         elif self._packed_embedding is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self._packed_embedding, None, "none", [], "")
@@ -394,7 +401,7 @@ class LlamaForCausalLM(nn.Module):
                 module.process_weights_after_loading(pack_for_cpu)
             elif isinstance(module, Linear) and pack_for_cpu:  # a MoE router
                 module.pack_for_cpu()
-        if pack_for_cpu and self.config.tie_word_embeddings:
+        if pack_for_cpu and not self.own_output:
             self._packed_embedding = prepack(self.model.embed_tokens.weight)
 
     # Hugging Face checkpoint name suffix -> (our fused parameter suffix, which part of it)
@@ -441,6 +448,8 @@ class LlamaForCausalLM(nn.Module):
                 destination.copy_(whole)
                 written = whole.numel()
             filled[target] = filled.get(target, 0) + written
+            if target == "model.embed_tokens.weight" and self.config.tie_word_embeddings and self.own_output:
+                filled["lm_head.weight"] = self.lm_head.load("weight", tensor, None)
         missing = sorted(name for name, param in params.items() if filled.get(name, 0) < param.numel())
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

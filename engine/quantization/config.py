@@ -54,6 +54,15 @@ class QuantizationConfig:
     # GGUF, int8 / int4, AWQ / GPTQ: "int8" when the engine config asks its activations quantized to int8 per
     # token at run time (`with_quantized_activations`); None: activations in the model's dtype (the exact path).
     activations: QuantizedActivations | None = None
+    # GGUF: whether the token embedding is a quantized tensor (not F32 / F16 / BF16); others: False.
+    embedding_quantized: bool = False
+
+    @property
+    def tied_output_quantized(self) -> bool:
+        """Whether a tied output projection (the token embedding's matrix) runs quantized, as a projection of its
+        own: from a GGUF's quantized embedding blocks (llama.cpp's way), or quantized at load like every other
+        projection (int8 / int4). AWQ / GPTQ / FP8 checkpoints keep their output projection float."""
+        return self.method in WEIGHT_ONLY_METHODS or self.embedding_quantized
 
     @property
     def bits(self) -> int | None:
@@ -150,10 +159,14 @@ def checkpoint_quantization(hf: dict[str, Any]) -> QuantizationConfig | None:
 
 
 def _gguf_quantization(quantization: dict[str, Any]) -> QuantizationConfig:
+    tensor_types: dict[str, str] = quantization.get("tensor_types", {})
     counts: dict[str, int] = {}
-    for tensor_type in quantization.get("tensor_types", {}).values():
+    for tensor_type in tensor_types.values():
         counts[tensor_type] = counts.get(tensor_type, 0) + 1
-    return QuantizationConfig(method="gguf", tensor_types=tuple(sorted(counts.items())))
+    return QuantizationConfig(
+        method="gguf", tensor_types=tuple(sorted(counts.items())),
+        embedding_quantized="model.embed_tokens.weight" in tensor_types,
+    )
 
 
 def _int4_group_size(method: str, bits: Any, group_size: Any) -> int:

@@ -36,17 +36,24 @@ class LinearMethod(Protocol):
 
 
 _building: LinearMethod | None = None
+_building_quantization: QuantizationConfig | None = None
 
 
 @contextmanager
 def building_quantized(quantization: QuantizationConfig | None) -> Iterator[None]:
-    """Projections constructed inside take the method of `quantization` (None: unquantized)."""
-    global _building
-    previous, _building = _building, linear_method(quantization)
+    """Projections constructed inside take the method of `quantization` (None: unquantized), and the model being
+    built reads `quantization` with `current_quantization`."""
+    global _building, _building_quantization
+    previous = _building, _building_quantization
+    _building, _building_quantization = linear_method(quantization), quantization
     try:
         yield
     finally:
-        _building = previous
+        _building, _building_quantization = previous
+
+
+def current_quantization() -> QuantizationConfig | None:
+    return _building_quantization
 
 
 def current_linear_method() -> LinearMethod:

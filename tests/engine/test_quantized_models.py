@@ -2,9 +2,11 @@
 
 - a GGUF whose matrices are quantized (every supported type, a fused q/k/v of three different types, the K-quants
   as random blocks since gguf-py has no quantizer for them) generates what transformers generates from the same
-  file (`from_pretrained(gguf_file=...)`, which dequantizes with gguf-py to float32), token for token;
+  file (`from_pretrained(gguf_file=...)`, which dequantizes with gguf-py to float32), token for token, with its
+  own output projection or tied to the embedding (whose blocks then run the output projection too);
 - int8 / int4 weight-only quantization at load generates what the dequantized model (its weights replaced by
-  the dequantized values, loaded unquantized) generates, token for token, batched and with chunked prefill;
+  the dequantized values, loaded unquantized; a tied output projection quantized, the embedding not) generates,
+  token for token, batched and with chunked prefill;
 - what the quantization is shows in the engine's config; the wrong asks fail by name.
 """
 
@@ -49,9 +51,9 @@ _TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "
           "ffn_up": "Q4_1", "ffn_down": "Q5_0", "output": "Q5_1", "token_embd": "Q8_0"}
 
 
-def write_quantized_gguf(path: Path, types: dict[str, str] = _TYPES) -> None:
+def write_quantized_gguf(path: Path, types: dict[str, str] = _TYPES, tied: bool = False) -> None:
     """A two-layer `llama` GGUF (hidden 256, the K-quants' block) with the matrices quantized per `types`
-    (`_TYPES`'s keys)."""
+    (`_TYPES`'s keys); `tied`: no output.weight, the embedding is the output projection too."""
     hidden, heads, kv_heads, ffn, vocab = 256, 4, 2, 512, 300
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(path, "llama")
@@ -72,7 +74,8 @@ def write_quantized_gguf(path: Path, types: dict[str, str] = _TYPES) -> None:
         writer.add_tensor(name, np.ascontiguousarray(blocks), raw_dtype=gguf.GGMLQuantizationType[types[kind]])
 
     matrix("token_embd.weight", "token_embd", vocab, hidden)
-    matrix("output.weight", "output", vocab, hidden)
+    if not tied:
+        matrix("output.weight", "output", vocab, hidden)
     writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
     shapes = {"attn_q": (hidden, hidden), "attn_k": (hidden // 2, hidden), "attn_v": (hidden // 2, hidden),
               "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
@@ -93,52 +96,80 @@ def own_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def test_quantized_gguf_matches_transformers_in_float32(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["output", "tied"])
+def test_quantized_gguf_matches_transformers_in_float32(tied, tmp_path):
     path = tmp_path / "mixed.gguf"
-    write_quantized_gguf(path)
+    write_quantized_gguf(path, tied=tied)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     expected = hf_greedy(reference.eval(), PROMPTS, GREEDY.max_tokens, eos=None)
     llm = LLM(model=str(path), dtype="float32", device="cpu", max_num_batched_tokens=64)  # chunked prefill
     got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected
     quantization = llm.engine.model_config.quantization
-    assert quantization.describe()["tensor_types"] == {"Q4_0": 2, "Q4_1": 2, "Q4_K": 2, "Q5_0": 2, "Q5_1": 1,
-                                                       "Q5_K": 2, "Q6_K": 2, "Q8_0": 3}
+    types = {"Q4_0": 2, "Q4_1": 2, "Q4_K": 2, "Q5_0": 2, "Q5_K": 2, "Q6_K": 2, "Q8_0": 3}
+    if not tied:
+        types["Q5_1"] = 1  # output.weight
+    assert quantization.describe()["tensor_types"] == types
     # q, k and v are three pieces of one fused projection; gate and up two; blocks kept, no float copy
-    qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj
+    model = llm.engine.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
     assert [piece.weight.dtype for piece in qkv.gguf_pieces] == [torch.uint8] * 3 and not hasattr(qkv, "weight")
+    # the embedding keeps its blocks (a lookup dequantizes its rows); tied, the output projection runs them too
+    embedding = model.model.embed_tokens
+    assert embedding.blocks.dtype == torch.uint8 and not hasattr(embedding, "weight")
+    assert [piece.weight.dtype for piece in model.lm_head.gguf_pieces] == [torch.uint8]
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
 def _dequantized_copy(folder: Path, out: Path, bits: int, group_size: int) -> Path:
-    """The folder with each projection's weight replaced by its quantize -> dequantize round trip."""
+    """The folder with each projection's weight replaced by its quantize -> dequantize round trip; a tied output
+    projection untied (it is quantized, the embedding is not)."""
     from safetensors.torch import load_file
 
     out.mkdir()
     tensors = load_file(str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("tie_word_embeddings"):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        config["tie_word_embeddings"] = False
     for name, weight in tensors.items():
         if any(f"{projection}.weight" in name for projection in _PROJECTIONS):
             blocks = quantize_rows(weight, bits, group_size)
             tensors[name] = dequantize_rows_reference(blocks, bits, group_size, weight.shape[1])
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config))
     return out
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_weight_only_matches_the_dequantized_model(method, tiny_llama_folder, tmp_path):
+def _tied_copy(folder: Path, out: Path) -> Path:
+    """The folder with its output projection tied to the embedding (lm_head.weight dropped)."""
+    from safetensors.torch import load_file
+
+    out.mkdir()
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return out
+
+
+@pytest.mark.parametrize("method,tied", [("int8", False), ("int4", False), ("int8", True)])
+def test_weight_only_matches_the_dequantized_model(method, tied, tiny_llama_folder, tmp_path):
     group_size = 32
     options = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, quantization_group_size=group_size)
-    dequantized = _dequantized_copy(tiny_llama_folder, tmp_path / "dequantized", int(method[3:]), group_size)
+    folder = _tied_copy(tiny_llama_folder, tmp_path / "tied") if tied else tiny_llama_folder
+    dequantized = _dequantized_copy(folder, tmp_path / "dequantized", int(method[3:]), group_size)
     expected = LLM(model=str(dequantized), dtype="float32", device="cpu", max_num_batched_tokens=64)
-    quantized = LLM(model=str(tiny_llama_folder), quantization=method, **options)
+    quantized = LLM(model=str(folder), quantization=method, **options)
     want = [o.outputs[0].token_ids for o in expected.generate(PROMPTS, GREEDY, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == want
-    described = quantized.engine.model.model.layers[0].mlp.down_proj
-    assert described.qweight.dtype == torch.uint8 and not hasattr(described, "weight")
+    model = quantized.engine.model
+    for projection in (model.model.layers[0].mlp.down_proj, model.lm_head):  # tied: a quantized copy of the embedding
+        assert projection.qweight.dtype == torch.uint8 and not hasattr(projection, "weight")
 
 
 def test_wrong_quantization_asks_fail_by_name(tiny_llama_folder, tmp_path):

@@ -29,7 +29,6 @@ from engine.models import MODEL_CLASSES
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM, SparseMoeBlock
 from engine.quantization.linear_method import building_quantized
-from engine.quantization.gguf import GGUFTensor
 from engine.tensor_parallel import RankFailure
 from tests.conftest import save_random_hf_model
 from tests.engine.hf_oracle import SMOLLM2_MAX_TOKENS, hf_greedy
@@ -180,16 +179,17 @@ def test_each_rank_reads_only_its_shard_and_the_shards_make_the_whole_model(smol
     full = dict(iter_safetensors(smollm2_folder))
     size = 3
     models, read = load_rank_shards(smollm2_folder, config, size)
-    shards = [dict(model.named_parameters()) for model in models]
 
     for name, tensor in full.items():
-        if tensor.ndim == 2:  # every matrix is split: read once in total, never whole by any rank
-            assert sum(read[name]) == tensor.numel(), name
+        # every matrix is split: read once in total (the tied Q8_0 embedding twice, its blocks kept for the lookup
+        # and for the output projection), never whole by any rank
+        if tensor.ndim == 2:
+            assert sum(read[name]) == tensor.numel() * (2 if name == "model.embed_tokens.weight" else 1), name
             assert max(read[name]) < tensor.numel(), name
         else:  # norms are replicated
             assert read[name] == [tensor.numel()] * size, name
-    # The shards, put back together, are the checkpoint: the projections' Q4_1 blocks byte for byte, the Q8_0
-    # embedding dequantized.
+    # The shards, put back together, are the checkpoint's blocks byte for byte: the projections' Q4_1, the Q8_0
+    # embedding's (in the embedding and in the output projection).
     layer = "model.layers.0"
     q_rows = config.num_attention_heads * config.head_dim // size
     kv_rows = config.num_key_value_heads * config.head_dim // size
@@ -199,8 +199,11 @@ def test_each_rank_reads_only_its_shard_and_the_shards_make_the_whole_model(smol
     assert torch.equal(torch.cat([w[q_rows + kv_rows :] for w in qkv]), full[f"{layer}.self_attn.v_proj.weight"])
     down = torch.cat([model.model.layers[0].mlp.down_proj.gguf_pieces[0].weight for model in models], dim=1)
     assert torch.equal(down, full[f"{layer}.mlp.down_proj.weight"])
-    embed = torch.cat([shard["model.embed_tokens.weight"] for shard in shards])
-    assert torch.equal(embed[: config.vocab_size], GGUFTensor(full["model.embed_tokens.weight"], "Q8_0")[:])
+    for embedding in (
+        torch.cat([model.model.embed_tokens.blocks for model in models]),
+        torch.cat([model.lm_head.gguf_pieces[0].weight for model in models]),
+    ):
+        assert torch.equal(embedding, full["model.embed_tokens.weight"])
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
