@@ -114,6 +114,10 @@ STEP_TARGET = 1 / 1.5  # floor / step time: the step within 1.5x of the floor
 KERNEL_TARGET = 0.70  # of the copy bandwidth
 KERNEL_GRID = ((1, 4, 16), (8192, 16384, 32768))  # batches, contexts
 SMOKE_KERNEL_GRID = ((1, 2), (64, 128))
+# --smoke times each kernel shape once after its warm-up: under Triton's interpreter a call takes 0.1-0.8 s on a
+# small CPU, and a smoke run's figures are not GPU figures (it proves the part runs and prints its table).
+SMOKE_KERNEL_REPEATS = 1
+KERNEL_REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -188,16 +192,17 @@ class DecodeStepRecorder:
         self.steps.append(DecodeStep(counters.last_step_sequences, counters.last_step_seconds, floor_bytes / self.bandwidth))
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device) -> float:
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = KERNEL_REPEATS) -> float:
     """Median time of one call. On CUDA from CUDA events, by Triton's do_bench, which also flushes the L2
-    cache before each call (one sequence's 8k-token context would otherwise sit in it); elsewhere wall time."""
+    cache before each call (one sequence's 8k-token context would otherwise sit in it); elsewhere wall time,
+    of `repeats` calls after a warm-up."""
     if device.type == "cuda":
         import triton.testing
 
         return triton.testing.do_bench(fn, return_mode="median") / 1000
     fn()  # warm-up: first-touch page faults, the interpreter's first pass
     times = []
-    for _ in range(5):
+    for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -214,7 +219,8 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def bench_decode_attention(
-    shape: ModelConfig, batch: int, context: int, dtype: torch.dtype, device: torch.device, block_size: int = 16
+    shape: ModelConfig, batch: int, context: int, dtype: torch.dtype, device: torch.device, block_size: int = 16,
+    repeats: int = KERNEL_REPEATS,
 ) -> KernelRun:
     from kernels.decode_attention import decode_attention
 
@@ -231,7 +237,7 @@ def bench_decode_attention(
     def attend() -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, shape.head_dim**-0.5, out=out)
 
-    seconds = median_seconds(attend, device)
+    seconds = median_seconds(attend, device, repeats)
     kv_bytes = 2 * batch * context * shape.num_key_value_heads * shape.head_dim * k_cache.element_size()
     return KernelRun(batch, context, seconds, kv_bytes)
 
@@ -764,10 +770,11 @@ def bench_kernel(
     shape = ModelConfig.from_hf(SMOKE_SHAPES["tiny-llama"] if args.smoke else DUMMY_SHAPES["llama-3-8b"])
     batches, contexts = SMOKE_KERNEL_GRID if args.smoke else KERNEL_GRID
     dtype = resolve_dtype(args.dtype, device)
+    repeats = SMOKE_KERNEL_REPEATS if args.smoke else KERNEL_REPEATS
     runs = []
     for context in contexts:
         for batch in batches:
-            runs.append(bench_decode_attention(shape, batch, context, dtype, device))
+            runs.append(bench_decode_attention(shape, batch, context, dtype, device, repeats=repeats))
             results.record(("decode_attention_kernel", "runs"), [
                 {"batch": r.batch, "context": r.context, "seconds": r.seconds, "bytes_read": r.bytes_read,
                  "of_copy_bandwidth": r.fraction(bandwidth)} for r in runs

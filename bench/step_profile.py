@@ -16,6 +16,7 @@ microseconds per linear layer call) lands in "other model ops".
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +31,9 @@ from engine.parallel_layers import QuantizableLinear
 CATEGORIES = ("matmuls", "attention", "other model ops", "sampling", "scheduling", "python overhead")
 
 
+# The machine's peak does not change within a process: measured once per dtype and device (seconds of 2048-wide
+# matmuls on a small CPU), however many runs ask for it (tests/test_bench_shapes.py runs every shape in one process).
+@functools.cache
 def matmul_peak_flops(dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
