@@ -15,7 +15,7 @@ its own random init: with ignore_eos the weights do not change the speed), bfloa
   read (every weight but an untied input embedding, of which it reads only its batch's rows; the K/V
   of every scheduled context) at the bandwidth of a 1 GiB device-to-device copy (bytes read + written
   / time). Step times are the engine's own, host work included.
-- Decode attention kernel: kernels.decode_attention over random paged caches with Llama-3-8B's heads
+- Decode attention kernel: conveyor_kernels.decode_attention over random paged caches with Llama-3-8B's heads
   at 8k-32k contexts; K/V bytes read / kernel time, against the same copy bandwidth.
 - HF's attention implementation is pinned (--hf-attention, default sdpa; eager runs as paged|eager under
   continuous batching) and generate_batch may not switch to a flash kernel that happens to be installed;
@@ -65,7 +65,7 @@ from engine.dtypes import resolve_dtype
 from engine.kv_cache import bytes_per_block
 from engine.llm_engine import LLMEngine
 from engine.model_registry import DUMMY_SHAPES, resolve_model
-from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -222,7 +222,7 @@ def bench_decode_attention(
     shape: ModelConfig, batch: int, context: int, dtype: torch.dtype, device: torch.device, block_size: int = 16,
     repeats: int = KERNEL_REPEATS,
 ) -> KernelRun:
-    from kernels.decode_attention import decode_attention
+    from conveyor_kernels.decode_attention import decode_attention
 
     blocks_per_seq = -(-context // block_size)
     cache_shape = (batch * blocks_per_seq, block_size, shape.num_key_value_heads, shape.head_dim)

@@ -35,7 +35,7 @@ from bench.throughput import make_workload, run_conveyor
 from engine import LLM
 from engine.dtypes import resolve_dtype
 from engine.model_registry import DEFAULT_MODEL
-from kernels import cpu_kernels, kv_quant, paged_attention
+from conveyor_kernels import cpu_kernels, kv_quant, paged_attention
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

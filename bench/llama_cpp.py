@@ -66,7 +66,7 @@ from bench.throughput import BenchRequest, make_workload
 from engine import LLM, SamplingParams
 from engine.dtypes import resolve_dtype
 from engine.model_registry import DEFAULT_MODEL, bundled_gguf, default_cache_dir, resolve_model
-from kernels.quantized_matmul import best_isa, int8_path
+from conveyor_kernels.quantized_matmul import best_isa, int8_path
 
 AS_FILE = "file"  # the --quants entry for the bundled GGUF as it is
 

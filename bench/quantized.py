@@ -39,7 +39,7 @@ from engine.dtypes import resolve_dtype
 from engine.model_registry import DEFAULT_MODEL, resolve_model
 from engine.parallel_layers import QuantizableLinear
 from engine.quantization.gguf import GGUFTensor
-from kernels.quantized_matmul import auto_path, int8_path
+from conveyor_kernels.quantized_matmul import auto_path, int8_path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,8 +28,8 @@ from bench.common import markdown_table, ratio, run_cli
 from bench.report import describe_machine
 from engine.quantization.unquantized import prepack
 from engine.quantization.weight_only import quantize_rows
-from kernels import quantized_matmul
-from kernels.quantized_matmul import GGUF_FORMATS
+from conveyor_kernels import quantized_matmul
+from conveyor_kernels.quantized_matmul import GGUF_FORMATS
 
 _GROUP = 64  # int8 / int4 group size, the engine's default
 

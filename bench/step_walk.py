@@ -8,7 +8,7 @@ sampled n=2 with a stop string and log-probs, a beam search of width 2, and a gr
 log-probs. Step 1 computes the prompts and samples their first tokens (siblings fork, prompt log-probs are
 recorded); step 2 decodes. The walk is the sequence of project files holding the innermost running project
 frame, consecutive repeats merged; the model's layers and the kernels (engine/models/, attention.py,
-parallel_layers.py, cuda_graphs.py, kernels/) count as one stop, "model and kernels", since the step only hands
+parallel_layers.py, cuda_graphs.py, conveyor_kernels/) count as one stop, "model and kernels", since the step only hands
 them tensors. Printed per step: files visited, moves between files, returns to a file already left, and the
 files returned to most; and, of those returns, how many come once the runner has stepped (from the call of
 `Requests.update` on: the step's update path, apart from the runner, the model and the sampler). Plain counts
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_NODE = "model and kernels"
 _MODEL_PARTS = (
     "engine/models/", "engine/attention.py", "engine/parallel_layers.py", "engine/distributed.py", "engine/cuda_graphs.py",
-    "kernels/",
+    "conveyor_kernels/",
 )
 
 
@@ -45,7 +45,7 @@ def node_of(filename: str) -> str | None:
     if not path.is_absolute() or ROOT not in path.parents:
         return None
     relative = path.relative_to(ROOT).as_posix()
-    if not relative.startswith(("engine/", "kernels/")):
+    if not relative.startswith(("engine/", "conveyor_kernels/")):
         return None
     return MODEL_NODE if relative.startswith(_MODEL_PARTS) else relative
 

@@ -21,7 +21,7 @@ from bench.report import describe_machine
 from engine.quantization.unquantized import prepack
 from engine.quantization.w4a16 import Int4Piece, pack_uint4_zp
 from engine.quantization.weight_only import quantize_rows
-from kernels import quantized_matmul
+from conveyor_kernels import quantized_matmul
 
 
 def main(argv: list[str] | None = None) -> None:

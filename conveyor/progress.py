@@ -14,7 +14,7 @@ LOG_LINE_INTERVAL_S = 10.0  # at most one progress line this often when stderr i
 
 ProgressMode = Literal["bar", "lines", "none"]
 # The loggers of the long steps before the first request runs: the model's resolution and conversion, the kernel build.
-_WATCHED_LOGGERS = ("conveyor", "engine", "kernels")
+_WATCHED_LOGGERS = ("conveyor", "engine", "conveyor_kernels")
 
 
 def progress_mode(quiet: bool) -> ProgressMode:

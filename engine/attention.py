@@ -12,11 +12,11 @@ from typing import Protocol
 
 import torch
 
-from kernels import cpu_kernels, kv_quant
-from kernels.decode_attention import decode_attention
-from kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
-from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention, run_paged_attention
-from kernels.prefill_attention import prefill_attention
+from conveyor_kernels import cpu_kernels, kv_quant
+from conveyor_kernels.decode_attention import decode_attention
+from conveyor_kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
+from conveyor_kernels.paged_attention import PagedAttentionPlan, plan_paged_attention, run_paged_attention
+from conveyor_kernels.prefill_attention import prefill_attention
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class AttentionBackend(Protocol):
 
 class TorchAttention:
     """The CPU path: torch ops, with the K/V writes, decode rows and (bf16 on AVX-512 BF16) prefill chunks in the
-    C++ kernels where they could be built. An int8 cache (kernels/kv_quant.py) gets the new K/V quantized per
+    C++ kernels where they could be built. An int8 cache (conveyor_kernels/kv_quant.py) gets the new K/V quantized per
     (token, kv head); its decode rows are dequantized on the fly by the C++ kernels (AVX-512 / AVX2 / portable), its
     prefill chunks by the bf16 prefill kernel as it packs them (bf16 on AVX-512 BF16), else by torch.
     Plans the batch layout once per step and kind of layer (window, soft-capping) on the first layer

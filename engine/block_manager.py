@@ -20,7 +20,7 @@ Swap, end to end (its one description, which docs/architecture.md points to):
 3. Bookkeeping (here, `swap_out` / `swap_in`): the table moves between pools in one go; the (source, destination)
    block pairs go out in `SchedulerOutput.blocks_to_swap_out` / `blocks_to_swap_in`.
 4. Copies (`engine.model_runner`): before the step's forward pass (the vacated device blocks may be written by it),
-   `kernels.block_copy.swap_blocks` moves every layer's K and V blocks in one launch per direction (its torch
+   `conveyor_kernels.block_copy.swap_blocks` moves every layer's K and V blocks in one launch per direction (its torch
    reference off Triton; on CUDA the kernel addresses the pinned host pool directly, so no step waits on it); the
    time is read from CUDA events outside the step.
 5. Telemetry (`engine.metrics`): preemptions by mode, blocks swapped each way, swap seconds and bytes/s.

@@ -9,8 +9,8 @@ from typing import Literal
 
 import torch
 
-from kernels.cpu_kernels import cpu_isa_cap
-from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+from conveyor_kernels.cpu_kernels import cpu_isa_cap
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 
 KernelBackend = Literal["torch", "triton"]
 
@@ -24,7 +24,7 @@ def cpu_has_fast_bf16() -> bool:
     reports bf16 "supported" on any AVX-512 core, where it emulates it several times slower than float32 (an
     Ice Lake-class Xeon with AVX-512 but no BF16: 8.3 ms vs 2.5 ms for a 64x576x1536 matmul; an AVX2-only
     EPYC: 6.7 ms vs 1.0 ms), so the CPU's own flags decide where Linux lists them; and none under a
-    CONVEYOR_CPU_ISA cap (kernels/cpu_kernels.py), which stands in for a CPU without them."""
+    CONVEYOR_CPU_ISA cap (conveyor_kernels/cpu_kernels.py), which stands in for a CPU without them."""
     if cpu_isa_cap() is not None:
         return False
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):

@@ -25,7 +25,7 @@ from torch import nn
 from engine.config import EncoderConfig
 from engine.loader import iter_safetensors
 from engine.models.llama import Linear
-from kernels import cpu_kernels
+from conveyor_kernels import cpu_kernels
 
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "lasttoken")
 
@@ -108,7 +108,7 @@ class AttentionLayout:
 
 @dataclass(frozen=True)
 class KernelAttention:
-    """The C++ AMX kernel's attention, straight over the packed rows (see `kernels.cpu_kernels`)."""
+    """The C++ AMX kernel's attention, straight over the packed rows (see `conveyor_kernels.cpu_kernels`)."""
 
     seq_starts: torch.Tensor  # [B + 1] int64 on the CPU
 

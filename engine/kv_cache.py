@@ -1,6 +1,6 @@
 """The paged KV cache: per layer one preallocated [num_blocks, block_size, kv_heads, head_dim] tensor
 for K and one for V, sized from a memory budget. Its dtype is the model's, or int8 (`kv_cache_dtype`, CPU) or
-fp8 e4m3 (CUDA): then each (token, kv head) row is head_dim + 4 bytes, the values and their float32 scale (kernels/kv_quant.py),
+fp8 e4m3 (CUDA): then each (token, kv head) row is head_dim + 4 bytes, the values and their float32 scale (conveyor_kernels/kv_quant.py),
 so the scales live in the blocks and every block move (swap, copy-on-write, prefix reuse) carries them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig, KVCacheDtype, ModelConfig
 from engine.dtypes import KernelBackend
-from kernels import kv_quant
+from conveyor_kernels import kv_quant
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [num_blocks, block_size, kv_heads, row]
 

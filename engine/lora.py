@@ -11,7 +11,7 @@ so each projection costs two grouped matmuls per step whatever the targets. Rank
 projections an adapter does not target are zero-padded. The term is added by the projections themselves
 (`QuantizableLinear.adapter_term`, set here on the four projections of each layer; in a row-parallel one before the
 all-reduce), reading the step's row -> slot map the runner set (`begin_step`). On CUDA the Triton kernel
-(kernels/lora.py) handles any mix of rows in two launches; on the CPU the C++ kernel (kernels/lora_cpu.cpp) in one
+(conveyor_kernels/lora.py) handles any mix of rows in two launches; on the CPU the C++ kernel (conveyor_kernels/lora_cpu.cpp) in one
 call, one pass per row over its own slot's weights, skipping the zero padding and the zero blocks of B, so its cost
 does not grow with the adapters present (bench/lora.py, README: 0.86x-0.92x the base's tokens per CPU second
 at 1-16 adapters, where the torch path below gave 0.63x-0.83x). Without the C++
@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from engine.config import ModelConfig
 from engine.models.llama import MLP, LlamaForCausalLM
 from engine.parallel_layers import ColumnParallelLinear, QuantizableLinear, RowParallelLinear
-from kernels.lora import load_lora_cpu_kernels, lora_add, lora_add_cpu
+from conveyor_kernels.lora import load_lora_cpu_kernels, lora_add, lora_add_cpu
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")

@@ -23,9 +23,9 @@ from engine.prompt_logprobs import PromptLogprobs, score_prompts
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.transfer import to_device
-from kernels.block_copy import copy_blocks, copy_blocks_reference, swap_blocks, swap_blocks_reference
-from kernels.decode_attention import table_widths_per_variant
-from kernels.prefill_attention import chunk_lengths_per_tile
+from conveyor_kernels.block_copy import copy_blocks, copy_blocks_reference, swap_blocks, swap_blocks_reference
+from conveyor_kernels.decode_attention import table_widths_per_variant
+from conveyor_kernels.prefill_attention import chunk_lengths_per_tile
 
 
 @dataclass

@@ -35,7 +35,7 @@ from engine.multimodal.registry import vision_kind_for
 from engine.quantization.linear_method import building_quantized
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
-from kernels.cpu_kernels import load_cpu_kernels, load_int8_decode_kernels
+from conveyor_kernels.cpu_kernels import load_cpu_kernels, load_int8_decode_kernels
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from engine.distributed import TensorParallelGroup, current_group
 from engine.quantization.gguf import GGUFTensor
 from engine.quantization.linear_method import current_linear_method
 from engine.quantization.unquantized import UnquantizedLinearMethod, dense_linear, prepack
-from kernels import quantized_matmul
-from kernels.quantized_matmul import GGUF_FORMATS
+from conveyor_kernels import quantized_matmul
+from conveyor_kernels.quantized_matmul import GGUF_FORMATS
 
 # Which piece of a parameter one checkpoint tensor fills, for the sharded layer that places this rank's slice of it:
 # the index of a fused projection's part (q, k, v; gate, up), or of stacked experts (expert, part: gate 0, up 1,

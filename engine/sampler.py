@@ -19,7 +19,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from engine.structured_output import apply_token_bitmask
 from engine.transfer import to_device
-from kernels.cpu_kernels import greedy_sample
+from conveyor_kernels.cpu_kernels import greedy_sample
 
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 _GOLDEN_GAMMA = 0x9E37_79B9_7F4A_7C15  # SplitMix64's stream increment
@@ -55,7 +55,7 @@ class Sampler:
     """Picks one next token per row. Holds no state: every random draw is keyed by (seed, step)."""
 
     def __init__(self, cpu_kernels: bool = False) -> None:
-        self.cpu_kernels = cpu_kernels  # the grammar bitmask by kernels/cpu_sampling.cpp (the model runs them too)
+        self.cpu_kernels = cpu_kernels  # the grammar bitmask by conveyor_kernels/cpu_sampling.cpp (the model runs them too)
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None

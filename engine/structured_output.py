@@ -222,7 +222,7 @@ def apply_token_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", cpu_ker
     vocabulary). It is 5-8x faster than xgrammar's torch version on CPU.
     """
     if cpu_kernels:
-        from kernels import cpu_kernels as kernels
+        from conveyor_kernels import cpu_kernels as kernels
 
         kernels.apply_token_bitmask(logits, bitmask)
         return

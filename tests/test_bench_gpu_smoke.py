@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 
 pytest.importorskip("transformers")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.kv_cache_dtype import print_attention_table
-from kernels.cpu_kernels import int8_decode_paths, load_cpu_kernels
+from conveyor_kernels.cpu_kernels import int8_decode_paths, load_cpu_kernels
 
 
 @pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")

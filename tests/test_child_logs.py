@@ -16,7 +16,7 @@ def test_errors_are_repeated_once_with_the_log_path_and_old_ones_are_not(tmp_pat
     assert child_log.new_errors() == []
 
     with path.open("a") as log:
-        log.write("2026-01-01 10:00:01,000 INFO kernels.cpu_kernels: building the C++ CPU kernels\n")
+        log.write("2026-01-01 10:00:01,000 INFO conveyor_kernels.cpu_kernels: building the C++ CPU kernels\n")
         log.write(
             "2026-01-01 10:00:02,000 ERROR jobs.telemetry.worker_metrics: cannot serve metrics on 127.0.0.1:9464 "
             "([Errno 98] Address already in use); set CONVEYOR_WORKER_METRICS_PORT to a free port, or 0\n"

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.metadata
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "kernels", "jobs", "api", "conveyor", "bench", "migrations", "tests")
-# layer -> the layers it must not import: conveyor/ (CLI) → api/ → jobs/ → engine/ → kernels/
+PACKAGES = ("engine", "conveyor_kernels", "jobs", "api", "conveyor", "bench", "migrations", "tests")
+# layer -> the layers it must not import: conveyor/ (CLI) → api/ → jobs/ → engine/ → conveyor_kernels/
 FORBIDDEN = {
-    "kernels": ("engine", "jobs", "api", "conveyor"),
+    "conveyor_kernels": ("engine", "jobs", "api", "conveyor"),
     "engine": ("jobs", "api", "conveyor"),
     "jobs": ("api", "conveyor"),
     "api": ("conveyor",),
@@ -192,3 +193,12 @@ def test_the_api_does_not_load_torch() -> None:
                     seen.add(target)
                     todo.append(target)
     assert not loads, loads
+
+
+def test_no_package_shares_its_import_name_with_an_installed_distribution() -> None:
+    """Each top-level package is the only module of its name here: another distribution's package of the same name
+    would be shadowed by ours, or ours by it, depending on the working directory (transformers 5.25 requires Hugging
+    Face's `kernels`, the name this project's kernel package had)."""
+    owners = importlib.metadata.packages_distributions()
+    shared = {package: owners[package] for package in PACKAGES if set(owners.get(package, ())) - {"conveyor"}}
+    assert not shared, shared

@@ -38,10 +38,10 @@ from engine.parallel_layers import (
     gather_logits,
     read_whole,
 )
-from kernels import cpu_kernels
-from kernels.activation import silu_and_mul
-from kernels.rmsnorm import fused_add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary as apply_rotary_in_place
+from conveyor_kernels import cpu_kernels
+from conveyor_kernels.activation import silu_and_mul
+from conveyor_kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from conveyor_kernels.rotary import apply_rotary as apply_rotary_in_place
 
 # Which kernels the layers use: plain torch, the C++ CPU kernels, or Triton (the CUDA path).
 LayerKernels = Literal["torch", "cpu", "triton"]

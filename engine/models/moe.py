@@ -2,7 +2,7 @@
 
 Each is the Llama decoder (attention, q/k norms for Qwen3-MoE, rotary, norms, layer skeleton, weight
 loading) whose sparse layers build a `SparseMoeBlock` in place of the dense MLP: a router picks each token's
-experts (`MoeConfig` holds each family's rules), the experts run grouped by expert (`kernels.fused_moe`:
+experts (`MoeConfig` holds each family's rules), the experts run grouped by expert (`conveyor_kernels.fused_moe`:
 Triton on the Triton backend, torch matmuls per expert otherwise), and Qwen2-MoE adds its shared expert,
 scaled by a sigmoid gate. Dense layers (Qwen's `mlp_only_layers`, `decoder_sparse_step`) keep Llama's MLP.
 
@@ -35,7 +35,7 @@ from engine.config import ModelConfig
 from engine.distributed import current_group
 from engine.models.llama import MLP, DecoderLayer, LayerKernels, LlamaForCausalLM
 from engine.parallel_layers import CheckpointPart, CheckpointTensor, Linear, full_shape, per_rank
-from kernels.fused_moe import fused_moe, grouped_moe
+from conveyor_kernels.fused_moe import fused_moe, grouped_moe
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,10 +9,10 @@ picks the method of a `QuantizationConfig` (config.py: what a checkpoint's `quan
 weight-only method an engine config asks for). One method per module:
 
 - unquantized.py: the checkpoint's float weights, torch's matmul (oneDNN-packed for bf16 on CPU): today's path.
-- gguf.py: a GGUF file's quantized blocks kept as they are, multiplied by kernels/quantized_matmul.
+- gguf.py: a GGUF file's quantized blocks kept as they are, multiplied by conveyor_kernels/quantized_matmul.
 - weight_only.py: int8 / int4 groups quantized at load time from a float checkpoint, the same kernels.
 - w4a16.py: an AWQ or GPTQ checkpoint's 4-bit groups with zero points, repacked 4-bit for the CPU kernels or the
-  Triton W4A16 GEMM (kernels/w4a16_matmul.py).
+  Triton W4A16 GEMM (conveyor_kernels/w4a16_matmul.py).
 - fp8.py: an FP8 checkpoint's float8 weights (per-tensor / per-channel scales), W8A8 by torch._scaled_mm on CUDA,
   dequantized on the fly elsewhere.
 

@@ -21,7 +21,7 @@ SUPPORTED_QUANTIZATION_FORMATS = (
 WEIGHT_ONLY_METHODS: tuple[str, ...] = ("int8", "int4")
 WeightOnlyMethod = Literal["int8", "int4"]
 # What `EngineConfig.quantized_activations` may ask: "int8", each token's activations quantized at run time in blocks
-# of 32 input features (kernels/quantized_matmul.py's ACTIVATION_BLOCK, one float32 scale a block) and multiplied
+# of 32 input features (conveyor_kernels/quantized_matmul.py's ACTIVATION_BLOCK, one float32 scale a block) and multiplied
 # with the weights' integer quants by integer dot products. Only the CPU kernels' formats do it: GGUF blocks,
 # weight-only int8 / int4 and AWQ / GPTQ's 4-bit groups (FP8 has its own activation scheme, the checkpoint's).
 QUANTIZED_ACTIVATIONS: tuple[str, ...] = ("int8",)
@@ -80,13 +80,13 @@ class QuantizationConfig:
             return
         if self.activations is not None:
             raise ValueError(
-                f"quantized_activations={self.activations!r} runs on the CPU only (kernels/quantized_matmul's "
+                f"quantized_activations={self.activations!r} runs on the CPU only (conveyor_kernels/quantized_matmul's "
                 f"integer dot products; the CUDA paths, Triton W4A16 and FP8, do not quantize activations to int8); "
                 f"device is {device_type}: leave quantized_activations unset there"
             )
         raise ValueError(
             f"quantization {self.method!r} runs on {' and '.join(self.devices)} only "
-            f"(kernels/quantized_matmul.cpp; AWQ / GPTQ / FP8 also on CUDA); device is {device_type}"
+            f"(conveyor_kernels/quantized_matmul.cpp; AWQ / GPTQ / FP8 also on CUDA); device is {device_type}"
         )
 
     def describe(self) -> dict[str, Any]:
@@ -121,7 +121,7 @@ def with_quantized_activations(
             f"quantized_activations={activations!r} applies to weights the CPU kernels run quantized: GGUF blocks, "
             f"quantization int8 / int4 (weight-only, at load) and AWQ / GPTQ 4-bit checkpoints; this model is {this}"
         )
-    from kernels.quantized_matmul import ACTIVATION_BLOCK  # torch: imported only as a model loads
+    from conveyor_kernels.quantized_matmul import ACTIVATION_BLOCK  # torch: imported only as a model loads
 
     if quantization.group_size is not None and quantization.group_size % ACTIVATION_BLOCK:
         raise ValueError(

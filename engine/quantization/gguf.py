@@ -2,7 +2,7 @@
 (the K-quants Q4_K, Q5_K, Q6_K, a super-block of sub-blocks with 6- or 8-bit sub-scales), each row of a matrix the
 blocks of one output feature. The import (engine/gguf_import.py) copies the blocks into the converted folder's
 safetensors as uint8 [rows, row_bytes] tensors and names each tensor's type in config.json; `GGUFTensor` carries
-one into loading. Projections keep the blocks and multiply them with kernels/quantized_matmul, which dequantizes
+one into loading. Projections keep the blocks and multiply them with conveyor_kernels/quantized_matmul, which dequantizes
 on the fly to exactly gguf-py's float32 values (in a bf16 run on a CPU with AVX-512 BF16, those rounded to bf16,
 the weights of its large steps too), or, with int8 activations, repacked at load (`pack_int8`) and multiplied by
 integer dot products with the tokens' int8 quants; every other destination (embeddings, MoE experts) reads the
@@ -19,8 +19,8 @@ from torch import nn
 
 from engine.checkpoint import CheckpointTensor, full_shape
 from engine.quantization.config import QuantizedActivations
-from kernels import quantized_matmul
-from kernels.quantized_matmul import GGUF_FORMATS, Int8Weight
+from conveyor_kernels import quantized_matmul
+from conveyor_kernels.quantized_matmul import GGUF_FORMATS, Int8Weight
 
 # The quantized GGUF types kept as blocks; the float types (F32, F16, BF16) are read as float tensors.
 SUPPORTED_TYPES: tuple[str, ...] = tuple(GGUF_FORMATS)

@@ -14,9 +14,9 @@ input features of each output feature; the weight is (q - z) * s. They differ in
 
 `Int4CheckpointTensor` gathers a projection's tensors as loading reads them (the loader groups them by module,
 `wrap_checkpoint`); a projection takes this rank's piece unpacked to bytes, and `process_weights_after_loading`
-repacks it for its device: on the CPU kernels/quantized_matmul's UINT4_ZP groups (float32 scale, uint8 zero
+repacks it for its device: on the CPU conveyor_kernels/quantized_matmul's UINT4_ZP groups (float32 scale, uint8 zero
 point, 4-bit values: half a byte a weight plus 5 bytes a group), dequantized on the fly to exactly (q - z) * s in
-float32; on CUDA the layout of kernels/w4a16_matmul's Triton GEMM. No float copy of a weight is kept. Anything
+float32; on CUDA the layout of conveyor_kernels/w4a16_matmul's Triton GEMM. No float copy of a weight is kept. Anything
 else the checkpoint quantized (an embedding: never in AWQ / GPTQ) would read dequantized.
 """
 
@@ -32,7 +32,7 @@ from torch import nn
 
 from engine.checkpoint import CheckpointTensor, read_whole
 from engine.quantization.config import QuantizedActivations
-from kernels import quantized_matmul, w4a16_matmul
+from conveyor_kernels import quantized_matmul, w4a16_matmul
 
 Layout = Literal["awq", "gptq"]
 SUPPORTED_BITS = (4,)
@@ -182,7 +182,7 @@ def wrap_checkpoint(
 
 
 def pack_uint4_zp(piece: Int4Piece, group_size: int) -> torch.Tensor:
-    """kernels/quantized_matmul's UINT4_ZP blocks [out, groups * (5 + group / 2)] of a piece whose groups are
+    """conveyor_kernels/quantized_matmul's UINT4_ZP blocks [out, groups * (5 + group / 2)] of a piece whose groups are
     contiguous (g_idx = k // group_size)."""
     out_features, in_features = piece.q.shape
     groups = in_features // group_size
@@ -209,7 +209,7 @@ def _contiguous_groups(piece: Int4Piece, group_size: int, name: str) -> tuple[In
 
 class W4A16LinearMethod:
     """AWQ / GPTQ 4-bit weights with 16-bit (or float32) activations, or on the CPU int8 ones where asked: the CPU
-    kernel of kernels/quantized_matmul (UINT4_ZP groups), the Triton GEMM of kernels/w4a16_matmul on CUDA. A
+    kernel of conveyor_kernels/quantized_matmul (UINT4_ZP groups), the Triton GEMM of conveyor_kernels/w4a16_matmul on CUDA. A
     projection the checkpoint left in float (the output projection) keeps its float weight."""
 
     def __init__(self, group_size: int, activations: QuantizedActivations | None = None) -> None:

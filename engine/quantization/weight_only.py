@@ -4,7 +4,7 @@ Each output row is cut into groups of `group_size` input features; a group keeps
 magnitude over 127 (int8) or 7 (int4), and its values divided by the scale, rounded to the nearest integer and
 clamped to [-128, 127] / [-8, 7]: symmetric, no zero point. Stored as blocks like GGUF's, one per group: the
 scale's 4 bytes, then the group's int8 values, or for int4 `group_size / 2` bytes whose low nibbles hold the first
-half of the group and high nibbles the second (value + 8). kernels/quantized_matmul multiplies them dequantizing on
+half of the group and high nibbles the second (value + 8). conveyor_kernels/quantized_matmul multiplies them dequantizing on
 the fly (value * scale, in float32). Activations stay in the model's dtype (W8A16 / W4A16), or with
 quantized_activations "int8" are quantized per token (W8A8 / W4A8: the groups repacked at load by `pack_int8`,
 integer dot products). Error: a weight moves by at most half a step, scale / 2; measured on SmolLM2-135M in
@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.quantization.config import QuantizedActivations
 from engine.quantization.unquantized import UnquantizedLinearMethod
-from kernels import quantized_matmul
+from conveyor_kernels import quantized_matmul
 
 
 _LARGEST = {8: 127, 4: 7}

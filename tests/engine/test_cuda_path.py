@@ -29,7 +29,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_registry import resolve_model
 from engine.model_shard import ShardSpec, largest_step
 from engine.model_runner import ModelRunner
-from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 
 GiB = 1024**3
 MiB = 1024**2
@@ -241,10 +241,10 @@ def test_the_engine_builds_and_steps_on_its_device_from_the_loop_thread(tiny_dum
 
 
 def _caller_in_engine_or_kernels(depth: int = 2) -> str | None:
-    """The engine/ or kernels/ file that made the call, if one did (transfer.py, the pinned path, excepted)."""
+    """The engine/ or conveyor_kernels/ file that made the call, if one did (transfer.py, the pinned path, excepted)."""
     filename = Path(sys._getframe(depth).f_code.co_filename)
     parts = filename.relative_to(REPO).parts if filename.is_relative_to(REPO) else ()
-    if parts and parts[0] in ("engine", "kernels") and filename.name != "transfer.py":
+    if parts and parts[0] in ("engine", "conveyor_kernels") and filename.name != "transfer.py":
         return str(Path(*parts))
     return None
 

@@ -19,7 +19,7 @@ from engine.dtypes import cpu_has_fast_bf16
 from engine.embedder import SentenceEmbeddingRecipe
 from engine.embedding_model import AttentionLayout, EncoderModel, pool, stable_row_count
 from engine.model_registry import DEFAULT_EMBEDDING_MODEL, resolve_embedding_model
-from kernels.cpu_kernels import encoder_kernels_available
+from conveyor_kernels.cpu_kernels import encoder_kernels_available
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer  # a test-only dependency

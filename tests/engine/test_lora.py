@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.conftest import save_random_hf_model
 from tests.engine.hf_oracle import hf_greedy
 from tests.engine.test_hf_equivalence import TINY_POOL
@@ -200,7 +200,7 @@ def test_adapters_need_slots_allocated_at_start(lora_case):
     pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
 ])
 def test_triton_backend_adapters_match_peft(lora_case, device):
-    """The Triton path (kernels/lora.py inside the engine; on CUDA decode steps with adapter rows skip the graphs):
+    """The Triton path (conveyor_kernels/lora.py inside the engine; on CUDA decode steps with adapter rows skip the graphs):
     the shortest prompt as a base row, a row of the adapter with a partial target list and one of the full-rank
     rsLoRA adapter over every projection, in one batch, their first tokens. Few rows, as the interpreter runs every
     program of every kernel in Python (the kernels' own tests cover the shapes and slot mixes)."""

@@ -14,7 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.block_manager import FREED
-from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.conftest import TINY_LONG_ROPE_THRESHOLD, TINY_WINDOW, save_random_hf_model
 from tests.engine.hf_oracle import hf_greedy
 from tests.engine.test_hf_equivalence import ENGINE_SETUPS, check_against_hf

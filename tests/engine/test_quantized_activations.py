@@ -26,7 +26,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, model_quantization
 from engine.quantization.config import QuantizationConfig, weight_only_quantization, with_quantized_activations
-from kernels.quantized_matmul import Int8Weight
+from conveyor_kernels.quantized_matmul import Int8Weight
 from tests.engine.hf_oracle import (  # noqa: F401  (tiny_llama_folder: a fixture)
     GREEDY, PROMPTS, teacher_forced_agreement, tiny_llama_folder,
 )

@@ -21,7 +21,7 @@ from engine.multimodal import ImageInput
 from engine.multimodal.positions import chunk_positions, position_shift
 from engine.multimodal.prompt import expand_image_prompt
 from engine.outputs import RequestOutput
-from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.engine.vision_oracle import first_tokens as tokens, hf_greedy_run, step_chats, user
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine.sampler import Sampler, SamplingRow, process_logits
 from engine.sampling_params import SamplingParams
-from kernels.cpu_kernels import load_cpu_kernels
+from conveyor_kernels.cpu_kernels import load_cpu_kernels
 
 sampler = Sampler()
 

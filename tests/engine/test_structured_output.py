@@ -16,7 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.sampler import SamplingRow, process_logits
 from engine.structured_output import StructuredOutputParams
-from kernels.cpu_kernels import load_cpu_kernels
+from conveyor_kernels.cpu_kernels import load_cpu_kernels
 from tests.conftest import hf_smollm2
 from tests.engine.test_hf_equivalence import check_setup_exercised
 

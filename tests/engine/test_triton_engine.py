@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.conftest import save_random_hf_model
 from tests.engine.hf_oracle import hf_greedy
 

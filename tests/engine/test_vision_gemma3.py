@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.multimodal import ImageInput
 from engine.outputs import RequestOutput
-from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled
 from tests.engine.test_vision_models import relayout
 from tests.engine.vision_oracle import first_tokens as tokens, hf_greedy_run, step_chats, user
 

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled  # noqa: E402
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE, interpreter_enabled  # noqa: E402
 
 _needs_triton = pytest.mark.skipif(not TRITON_AVAILABLE, reason="triton is not installed")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul, silu_and_mul_reference
+from conveyor_kernels.activation import silu_and_mul, silu_and_mul_reference
 from tests.kernels.kernel_testing import DTYPES, poisoned, tolerance
 
 

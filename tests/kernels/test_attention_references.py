@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention_reference
-from kernels.prefill_attention import prefill_attention_reference
+from conveyor_kernels.decode_attention import decode_attention_reference
+from conveyor_kernels.prefill_attention import prefill_attention_reference
 from tests.kernels.kernel_testing import GQA_SHAPES, make_paged_kv, naive_attention
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import plan_paged_attention, run_paged_attention
+from conveyor_kernels.paged_attention import plan_paged_attention, run_paged_attention
 from tests.kernels.kernel_testing import make_paged_kv
 
 BLOCK_SIZE = 4
@@ -69,7 +69,7 @@ def key_limits(chunks: list[tuple[int, int]], spans: list[tuple[int, int, int]])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_prefill_key_limits_equal_the_spans(device: str, dtype: torch.dtype, window) -> None:
-    from kernels.prefill_attention import prefill_attention, prefill_attention_reference
+    from conveyor_kernels.prefill_attention import prefill_attention, prefill_attention_reference
     from tests.kernels.kernel_testing import poisoned, tolerance
 
     generator = torch.Generator().manual_seed(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_copy import copy_blocks, copy_blocks_reference, swap_blocks, swap_blocks_reference
+from conveyor_kernels.block_copy import copy_blocks, copy_blocks_reference, swap_blocks, swap_blocks_reference
 from tests.kernels.kernel_testing import DTYPES
 
 BLOCK_SHAPE = (16, 2, 64)  # block_size, num_kv_heads, head_dim

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kernels import cpu_kernels
+from conveyor_kernels import cpu_kernels
 
 
 def test_the_cap_sets_the_build_flag_and_refuses_other_values(monkeypatch):
@@ -29,7 +29,7 @@ def test_capped_at_avx2_the_run_time_picks_and_the_dtype_follow():
     """In a process of its own (the C++ side reads the variable once): the quantized matmul's paths, the int8
     activations' path and AVX-512 BF16 as an AVX2-only CPU has them, and `auto` picks float32."""
     pytest.importorskip("gguf")
-    from kernels import quantized_matmul
+    from conveyor_kernels import quantized_matmul
 
     if quantized_matmul.best_isa() == "portable":
         pytest.skip("this CPU has no AVX2: the cap would change nothing")

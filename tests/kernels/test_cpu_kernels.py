@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernels import (
+from conveyor_kernels.cpu_kernels import (
     encoder_attention,
     encoder_kernels_available,
     layer_norm,
@@ -21,8 +21,8 @@ from kernels.cpu_kernels import (
     silu_and_mul,
     write_kv_cache,
 )
-from kernels.kv_cache_write import write_kv_cache_reference
-from kernels.paged_attention import paged_attention_reference
+from conveyor_kernels.kv_cache_write import write_kv_cache_reference
+from conveyor_kernels.paged_attention import paged_attention_reference
 from tests.kernels.kernel_testing import make_paged_kv, naive_attention
 
 # A string condition: evaluated when the test runs, so collecting builds no C++ kernels.

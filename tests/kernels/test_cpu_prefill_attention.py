@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import kv_quant
-from kernels.cpu_kernels import paged_prefill_attention, prefill_attention_available
-from kernels.paged_attention import paged_attention_reference, plan_paged_attention, run_paged_attention
+from conveyor_kernels import kv_quant
+from conveyor_kernels.cpu_kernels import paged_prefill_attention, prefill_attention_available
+from conveyor_kernels.paged_attention import paged_attention_reference, plan_paged_attention, run_paged_attention
 
 # A string condition is evaluated when a test runs, not at collection: collecting builds no C++ (a GPU run's
 # `pytest -m cuda` would otherwise compile the CPU kernels first).
@@ -90,7 +90,7 @@ def test_planned_kernel_path_matches_the_torch_path():
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("window", [None, 40])
 def test_prefill_kernel_reads_an_int8_cache_as_the_reference(num_heads, num_kv_heads, head_dim, block_size, window):
-    """An int8 cache (kernels/kv_quant.py) is packed as its rows dequantized to bf16, the values torch's bf16 path
+    """An int8 cache (conveyor_kernels/kv_quant.py) is packed as its rows dequantized to bf16, the values torch's bf16 path
     (the engine's before) attends: against the float32 reference over the same int8 cache, its error is that path's
     (rows of magnitudes up to 4 make peaked softmaxes, where the bf16 keys' rounding shows: up to 0.1 in both)."""
     query, k_cache, v_cache, block_tables, starts = _batch(

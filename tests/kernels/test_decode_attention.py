@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, decode_attention_reference
+from conveyor_kernels.decode_attention import decode_attention, decode_attention_reference
 from tests.kernels.kernel_testing import DTYPES, GQA_SHAPES, make_paged_kv, poisoned, tolerance
 
 # Contexts ending just before, exactly on and just past block boundaries (block_size 16), and one

@@ -1,12 +1,12 @@
 """How the C++ extensions are named and what they compile, without building them: a build's name covers every file
-it compiles or includes, and every C++ file in kernels/ belongs to exactly one extension."""
+it compiles or includes, and every C++ file in conveyor_kernels/ belongs to exactly one extension."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kernels import cpu_kernels, lora, quantized_matmul
-from kernels.cpu_kernels import build_digest
+from conveyor_kernels import cpu_kernels, lora, quantized_matmul
+from conveyor_kernels.cpu_kernels import build_digest
 
 
 def test_build_digest_changes_with_any_header_the_sources_include(tmp_path: Path) -> None:

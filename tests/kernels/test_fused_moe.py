@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_moe import align_slots_to_experts, fused_moe, fused_moe_reference, grouped_moe
+from conveyor_kernels.fused_moe import align_slots_to_experts, fused_moe, fused_moe_reference, grouped_moe
 from tests.kernels.kernel_testing import DTYPES, tolerance
 
 HIDDEN, INTERMEDIATE, EXPERTS = 48, 40, 6  # not multiples of the tiles, so the masks matter

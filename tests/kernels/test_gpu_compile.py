@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.triton_utils import TRITON_AVAILABLE
+from conveyor_kernels.triton_utils import TRITON_AVAILABLE
 
 H100_SHARED_MEMORY_PER_BLOCK = 227 * 1024  # of 228 KB per SM; 1 KB is reserved per block
 SHAPES = (("llama-3-8b", "bfloat16"), ("qwen2-0.5b", "bfloat16"), ("qwen3-0.6b", "float32"), ("qwen3-30b-a3b", "bfloat16"))
@@ -44,7 +44,7 @@ from engine.kv_cache import allocate_kv_cache
 from engine.model_registry import DUMMY_SHAPES
 from engine.model_runner import ModelRunner
 from engine.models import MODEL_CLASSES
-from kernels import decode_attention
+from conveyor_kernels import decode_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMS = 132

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
+from conveyor_kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
 from tests.kernels.kernel_testing import DTYPES, exact_or_one_ulp
 
 

@@ -1,4 +1,4 @@
-"""The int8 KV cache's rows (kernels/kv_quant.py) and the C++ decode attention reading them: the kernel against
+"""The int8 KV cache's rows (conveyor_kernels/kv_quant.py) and the C++ decode attention reading them: the kernel against
 `paged_attention_reference` over the same int8 cache (which dequantizes the blocks it gathers), at odd shapes
 (block size 5, head_dim 72, GQA 3, ragged lengths, a window, soft-capping)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import kv_quant
-from kernels.cpu_kernels import int8_decode_paths, load_cpu_kernels, load_int8_decode_kernels, paged_decode_attention
-from kernels.paged_attention import paged_attention_reference
-from kernels.triton_utils import interpreter_enabled
+from conveyor_kernels import kv_quant
+from conveyor_kernels.cpu_kernels import int8_decode_paths, load_cpu_kernels, load_int8_decode_kernels, paged_decode_attention
+from conveyor_kernels.paged_attention import paged_attention_reference
+from conveyor_kernels.triton_utils import interpreter_enabled
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
@@ -131,7 +131,7 @@ def _fp8_paged(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size
 
 
 def test_triton_write_quantizes_to_fp8_as_the_reference(device: str) -> None:
-    from kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
+    from conveyor_kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
 
     generator = torch.Generator().manual_seed(2)
     num_kv_heads, head_dim, block_size = 3, 40, 5
@@ -161,8 +161,8 @@ def test_triton_write_quantizes_to_fp8_as_the_reference(device: str) -> None:
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4)])
 def test_triton_attention_reads_an_fp8_cache_as_the_reference(device: str, num_heads: int, num_kv_heads: int) -> None:
-    from kernels.decode_attention import decode_attention, decode_attention_reference
-    from kernels.prefill_attention import prefill_attention, prefill_attention_reference
+    from conveyor_kernels.decode_attention import decode_attention, decode_attention_reference
+    from conveyor_kernels.prefill_attention import prefill_attention, prefill_attention_reference
 
     generator = torch.Generator().manual_seed(num_heads)
     head_dim, block_size, dtype = 64, 16, torch.bfloat16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora import load_lora_cpu_kernels, lora_add, lora_add_cpu, lora_add_reference
+from conveyor_kernels.lora import load_lora_cpu_kernels, lora_add, lora_add_cpu, lora_add_reference
 from tests.kernels.kernel_testing import DTYPES, tolerance
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention_reference
-from kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from conveyor_kernels.decode_attention import decode_attention_reference
+from conveyor_kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from tests.kernels.kernel_testing import DTYPES, GQA_SHAPES, make_paged_kv, poisoned, tolerance
 
 # (cached prefix, new tokens) per sequence: fresh prompts and later chunks ending just before, on

@@ -26,8 +26,8 @@ import torch
 pytest.importorskip("gguf")
 
 from engine.quantization.weight_only import dequantize_rows_reference, quantize_rows
-from kernels import quantized_matmul
-from kernels.quantized_matmul import (
+from conveyor_kernels import quantized_matmul
+from conveyor_kernels.quantized_matmul import (
     GGUF_FORMATS,
     best_isa,
     gguf_dequantize_reference,

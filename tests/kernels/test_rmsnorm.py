@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
+from conveyor_kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
 from tests.kernels.kernel_testing import DTYPES, exact_or_one_ulp, poisoned, tolerance
 
 EPS = 1e-5

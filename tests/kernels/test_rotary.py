@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rotary import apply_rotary, apply_rotary_reference
+from conveyor_kernels.rotary import apply_rotary, apply_rotary_reference
 from tests.kernels.kernel_testing import DTYPES, GQA_SHAPES, tolerance
 
 MAX_POSITION = 64

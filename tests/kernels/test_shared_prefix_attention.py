@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_kernels import load_cpu_kernels
-from kernels.paged_attention import plan_paged_attention, run_paged_attention
+from conveyor_kernels.cpu_kernels import load_cpu_kernels
+from conveyor_kernels.paged_attention import plan_paged_attention, run_paged_attention
 from tests.kernels.kernel_testing import GQA_SHAPES, naive_attention
 
 BLOCK_SIZE = 16

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_kernels import load_cpu_kernels, paged_decode_attention
-from kernels.decode_attention import decode_attention
-from kernels.paged_attention import paged_attention_reference, plan_paged_attention
-from kernels.prefill_attention import prefill_attention
+from conveyor_kernels.cpu_kernels import load_cpu_kernels, paged_decode_attention
+from conveyor_kernels.decode_attention import decode_attention
+from conveyor_kernels.paged_attention import paged_attention_reference, plan_paged_attention
+from conveyor_kernels.prefill_attention import prefill_attention
 from tests.kernels.kernel_testing import make_paged_kv, naive_attention, poisoned
 
 WINDOW = 20

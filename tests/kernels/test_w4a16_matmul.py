@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.quantization.w4a16 import Int4Piece, dequantize_piece
-from kernels.w4a16_matmul import dequantize, pack, w4a16_matmul, w4a16_matmul_reference
+from conveyor_kernels.w4a16_matmul import dequantize, pack, w4a16_matmul, w4a16_matmul_reference
 
 
 def _weights(n: int, k: int, group: int, seed: int) -> tuple[Int4Piece, tuple[torch.Tensor, ...]]:

@@ -15,20 +15,20 @@ sys.modules["triton.language"] = None
 
 import torch
 
-import kernels.activation
-import kernels.block_copy
-import kernels.decode_attention
-import kernels.fused_moe
-import kernels.kv_cache_write
-import kernels.prefill_attention
-import kernels.rmsnorm
-import kernels.rotary
-import kernels.w4a16_matmul
+import conveyor_kernels.activation
+import conveyor_kernels.block_copy
+import conveyor_kernels.decode_attention
+import conveyor_kernels.fused_moe
+import conveyor_kernels.kv_cache_write
+import conveyor_kernels.prefill_attention
+import conveyor_kernels.rmsnorm
+import conveyor_kernels.rotary
+import conveyor_kernels.w4a16_matmul
 
 x = torch.randn(2, 8)
-assert kernels.activation.silu_and_mul_reference(x).shape == (2, 4)
+assert conveyor_kernels.activation.silu_and_mul_reference(x).shape == (2, 4)
 try:
-    kernels.activation.silu_and_mul(x)
+    conveyor_kernels.activation.silu_and_mul(x)
 except ImportError:
     pass
 else:

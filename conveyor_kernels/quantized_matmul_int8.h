@@ -7,7 +7,7 @@
 // CPUs without VNNI run too) and quantized_matmul_portable.cpp (a plain C++ dot product).
 //
 // Activations: per token, per block of 32 values, scale = max |x| / 127 and q = round(x / scale), halves to even,
-// in float32: exactly kernels/quantized_matmul.py's quantize_activations_reference; and scale * sum(q) per 16 and
+// in float32: exactly conveyor_kernels/quantized_matmul.py's quantize_activations_reference; and scale * sum(q) per 16 and
 // per 32 values.
 //
 // Weights, repacked once at load (pack_tile): every format's values are d * (u - offset) + m per sub-block of 32

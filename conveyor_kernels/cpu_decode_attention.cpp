@@ -8,7 +8,7 @@
 #include <atomic>
 #include <type_traits>
 
-// One head's cache row to float: the row as it is for a float cache; for an int8 cache (kernels/kv_quant.py) the n
+// One head's cache row to float: the row as it is for a float cache; for an int8 cache (conveyor_kernels/kv_quant.py) the n
 // int8 values times the float32 scale stored in the 4 bytes after them, so that attention dequantizes on the fly
 // what it reads once anyway (no dequantized copy of the cache).
 template <typename cache_t>

@@ -14,8 +14,8 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpu_kernels import build_digest, load_extension, march_flag
-from kernels.triton_utils import require_triton, tl, triton
+from conveyor_kernels.cpu_kernels import build_digest, load_extension, march_flag
+from conveyor_kernels.triton_utils import require_triton, tl, triton
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import interpreter_enabled, require_triton, tl, triton
+from conveyor_kernels.triton_utils import interpreter_enabled, require_triton, tl, triton
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-// Grouped LoRA on the CPU (kernels/lora.py, `lora_add_cpu`): each token row adds its own adapter slot's low-rank
+// Grouped LoRA on the CPU (conveyor_kernels/lora.py, `lora_add_cpu`): each token row adds its own adapter slot's low-rank
 // term to the base projection's output in one call, out[t] += (x[t] . A[s]^T) . B_t[s], s = slots[t] (-1: none).
 // One pass per row: the row widened to float32 once, the shrink's dot products over the slot's used rank rows only
 // (`used`: zero-padded ranks and untargeted parts skipped), the expand of each rank row over its own part's output

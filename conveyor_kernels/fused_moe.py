@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul
-from kernels.triton_utils import dot_in_fp32, interpreter_enabled, matmul, require_triton, tl, triton
+from conveyor_kernels.activation import silu_and_mul
+from conveyor_kernels.triton_utils import dot_in_fp32, interpreter_enabled, matmul, require_triton, tl, triton
 
 
 @dataclass(frozen=True)

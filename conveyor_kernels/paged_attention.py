@@ -1,7 +1,7 @@
 """Paged attention in plain torch: the CPU path of the engine and the oracle for the Triton kernels.
 
 Cache layout, per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V (an int8 cache:
-`head_dim + 4` int8 per row, the values and their scale, kernels/kv_quant.py, dequantized as blocks are read). A batch is
+`head_dim + 4` int8 per row, the values and their scale, conveyor_kernels/kv_quant.py, dequantized as blocks are read). A batch is
 flat ("varlen"): sequence i owns query rows `[query_start_loc[i], query_start_loc[i+1])`, and its
 `seq_lens[i]` counts every token in its context including the new ones, which are already written
 to the cache. New token j of a sequence with q_len new tokens sits at position seq_len - q_len + j
@@ -30,8 +30,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kernels import kv_quant
-from kernels.cpu_kernels import paged_decode_attention, paged_prefill_attention
+from conveyor_kernels import kv_quant
+from conveyor_kernels.cpu_kernels import paged_decode_attention, paged_prefill_attention
 
 _BUCKET_FILL = 0.8  # a decode group's shortest context is at least this share of its longest
 # Rows per decode group: small enough that a group's gathered K/V stay in the CPU's caches until
@@ -337,7 +337,7 @@ def run_paged_attention(
 def read_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The blocks' K or V [len(blocks), block_size, kv_heads, head_dim] in `dtype`: copied out in one pass
     (index_select; advanced indexing is markedly slower on CPU), and dequantized when the cache is int8 or fp8
-    (kernels/kv_quant.py), only the blocks read."""
+    (conveyor_kernels/kv_quant.py), only the blocks read."""
     rows = cache.index_select(0, blocks)
     return kv_quant.dequantize(rows, dtype) if kv_quant.is_quantized(cache.dtype) else rows
 

@@ -6,7 +6,7 @@ keeps an online softmax (running max, running sum, unnormalized output) over its
 kernel merges the partitions. One program serves all query heads of one kv head (GQA), so each
 K/V tile is loaded once for the whole group and the group's scores come from one tl.dot.
 
-Layout: see kernels/kv_cache_write.py. `seq_lens[b]` counts the context including the new token,
+Layout: see conveyor_kernels/kv_cache_write.py. `seq_lens[b]` counts the context including the new token,
 which is already in the cache. With a sliding window only the last `window` positions are split and
 read (earlier blocks may be freed); soft-capping (Gemma 2) caps the scores before the softmax.
 """
@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from kernels.kv_quant import is_quantized, row_width
-from kernels.prefill_attention import prefill_attention_reference
-from kernels.triton_utils import (
+from conveyor_kernels.kv_quant import is_quantized, row_width
+from conveyor_kernels.prefill_attention import prefill_attention_reference
+from conveyor_kernels.triton_utils import (
     dot_in_fp32,
     key_tile_length,
     load_kv_tile,
@@ -229,7 +229,7 @@ def decode_attention(
     require_triton()
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    quantized = is_quantized(k_cache.dtype)  # rows of head_dim fp8 values and their scale (kernels/kv_quant.py)
+    quantized = is_quantized(k_cache.dtype)  # rows of head_dim fp8 values and their scale (conveyor_kernels/kv_quant.py)
     if cache_head_dim != (row_width(head_dim) if quantized else head_dim) or num_heads % num_kv_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():

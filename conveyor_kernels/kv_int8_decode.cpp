@@ -1,4 +1,4 @@
-// Paged decode attention over an int8 KV cache (kernels/kv_quant.py: each (token, kv head) row is head_dim int8
+// Paged decode attention over an int8 KV cache (conveyor_kernels/kv_quant.py: each (token, kv head) row is head_dim int8
 // values, then their float32 scale): the Python module, its checks and the run-time choice of path. The body
 // (kv_int8_decode_body.h) is compiled twice, each in its own file so that ninja builds them in parallel: for
 // AVX-512 (kv_int8_decode_avx512.cpp, 16 float lanes) and for AVX2 + FMA (kv_int8_decode_avx2.cpp, 8); the

@@ -3,15 +3,15 @@
 Cache layout, per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V. Token t
 goes to the flat slot `slot_mapping[t] = block_id * block_size + offset`; slot -1 marks a padding
 token whose K/V are dropped. An fp8 cache's rows are `head_dim + 4` wide: each (token, kv head) row is
-quantized as it is written, with its float32 scale after it (kernels/kv_quant.py).
+quantized as it is written, with its float32 scale after it (conveyor_kernels/kv_quant.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import kv_quant
-from kernels.triton_utils import next_power_of_2, require_triton, tl, triton
+from conveyor_kernels import kv_quant
+from conveyor_kernels.triton_utils import next_power_of_2, require_triton, tl, triton
 
 
 @triton.jit
@@ -132,7 +132,7 @@ def write_kv_cache_reference(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Plain-torch `write_kv_cache`: the engine's CPU path. Into a quantized cache, rows of head_dim are quantized
-    first (kernels/kv_quant.py); rows already quantized (head_dim + 4 wide) are copied as they are."""
+    first (conveyor_kernels/kv_quant.py); rows already quantized (head_dim + 4 wide) are copied as they are."""
     if kv_quant.is_quantized(k_cache.dtype) and key.shape[-1] != k_cache.shape[-1]:
         key, value = kv_quant.quantize(key, k_cache.dtype), kv_quant.quantize(value, v_cache.dtype)
     keep = slot_mapping >= 0

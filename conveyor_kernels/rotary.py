@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import next_power_of_2, require_triton, tl, triton
+from conveyor_kernels.triton_utils import next_power_of_2, require_triton, tl, triton
 
 
 @triton.jit

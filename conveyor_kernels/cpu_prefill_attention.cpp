@@ -27,7 +27,7 @@ struct PackedSequence {
   int64_t offset;  // where its spans start in the packed buffers, in uint32 pairs, per kv head
 };
 
-// One head's cache row as bf16 bits: a bf16 row as it is; an int8 row (kernels/kv_quant.py) dequantized, value x its
+// One head's cache row as bf16 bits: a bf16 row as it is; an int8 row (conveyor_kernels/kv_quant.py) dequantized, value x its
 // float32 scale rounded to bf16 (nearest even), exactly what kv_quant.dequantize(rows, torch.bfloat16) gives.
 static inline void bf16_row(const uint16_t* row, int64_t dim, uint16_t* dst) { std::memcpy(dst, row, 2 * dim); }
 
@@ -170,7 +170,7 @@ static void prefill_attention_bf16(const uint16_t* query, int64_t query_row_stri
                                    int64_t num_kv_heads, int64_t block_size, float scale, int64_t window) {
   constexpr int64_t kDim = 32 * kChunks;
   constexpr int kRows = kChunks >= 8 ? 1 : kChunks >= 4 ? 2 : 4;  // output registers: kRows * kDim / 16 <= 16
-  // An int8 cache's rows carry their scale after the values (kernels/kv_quant.py).
+  // An int8 cache's rows carry their scale after the values (conveyor_kernels/kv_quant.py).
   const int64_t row_width = std::is_same_v<cache_t, int8_t> ? kDim + 4 : kDim;
   const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * row_width;
   std::vector<PackedSequence> seqs(num_seqs);
@@ -234,7 +234,7 @@ bool prefill_attention_available(int64_t head_dim) {
 void paged_prefill_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                              at::Tensor query_ends, at::Tensor out, double scale, int64_t window) {
-  // An int8 cache (kernels/kv_quant.py) is read as its rows dequantized to bf16 when they are packed.
+  // An int8 cache (conveyor_kernels/kv_quant.py) is read as its rows dequantized to bf16 when they are packed.
   const bool int8 = k_cache.scalar_type() == at::kChar;
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(prefill_attention_available(head_dim), "no bf16 prefill kernel for this CPU or head_dim");

@@ -9,7 +9,7 @@ heads of a kv head at a time (in bf16 on a CPU with AVX-512 BF16: q.k and p.v bo
 from the cache's bf16, the probabilities rounded to bf16 as torch's bf16 attention rounds them, one
 softmax step per 64 positions, the next rows prefetched since blocks lie anywhere in the cache: 64
 sequences of 400 positions in SmolLM2-135M's shape, two threads, 0.79 ms a layer where widening the
-values to float32 for p.v took 2.0, and a plain read of the K/V 0.56; an int8 cache, kernels/kv_quant.py, goes to
+values to float32 for p.v took 2.0, and a plain read of the K/V 0.56; an int8 cache, conveyor_kernels/kv_quant.py, goes to
 `kv_int8_decode.cpp`, a separate build with AVX-512 and AVX2 paths (`kv_int8_decode_avx512.cpp`, `_avx2.cpp`)
 picked at run time (`load_int8_decode_kernels`),
 else to the portable kernel here, which dequantizes each row as it widens it);
@@ -256,7 +256,7 @@ def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
 def paged_prefill_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim] bf16; head_dim contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16, or int8 rows of head_dim + 4
-    # (kernels/kv_quant.py, dequantized to bf16 as read); the chunks' K/V already written
+    # (conveyor_kernels/kv_quant.py, dequantized to bf16 as read); the chunks' K/V already written
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32: context length of each sequence after its chunk

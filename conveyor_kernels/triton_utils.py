@@ -115,7 +115,7 @@ def load_kv_tile(
     QUANTIZED: tl.constexpr,
 ):
     """K and V at context `positions` of one sequence ([tile, head_dim] each), read through its
-    block table; rows where `valid` is False load zeros. A QUANTIZED cache's rows (kernels/kv_quant.py: head_dim
+    block table; rows where `valid` is False load zeros. A QUANTIZED cache's rows (conveyor_kernels/kv_quant.py: head_dim
     fp8 values, then their float32 scale) are dequantized in float32 and rounded to q's dtype."""
     block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     token_offsets = (

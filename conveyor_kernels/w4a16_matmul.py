@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import dot_in_fp32, interpreter_enabled, matmul, require_triton, tl, triton
+from conveyor_kernels.triton_utils import dot_in_fp32, interpreter_enabled, matmul, require_triton, tl, triton
 
 
 def pack(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

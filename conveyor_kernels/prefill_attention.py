@@ -18,7 +18,7 @@ scores before the softmax. `key_limits` (Gemma 3's images, whose tokens attend t
 gives each query token the first key position it does not see instead of p + 1: an image token's is its
 image's end, within the chunk; the window still applies.
 
-Layout: see kernels/kv_cache_write.py.
+Layout: see conveyor_kernels/kv_cache_write.py.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import math
 
 import torch
 
-from kernels.kv_quant import is_quantized, row_width
-from kernels.paged_attention import paged_attention_reference
-from kernels.triton_utils import (
+from conveyor_kernels.kv_quant import is_quantized, row_width
+from conveyor_kernels.paged_attention import paged_attention_reference
+from conveyor_kernels.triton_utils import (
     dot_in_fp32,
     interpreter_enabled,
     key_tile_length,
@@ -203,7 +203,7 @@ def prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    quantized = is_quantized(k_cache.dtype)  # rows of head_dim fp8 values and their scale (kernels/kv_quant.py)
+    quantized = is_quantized(k_cache.dtype)  # rows of head_dim fp8 values and their scale (conveyor_kernels/kv_quant.py)
     if cache_head_dim != (row_width(head_dim) if quantized else head_dim) or num_heads % num_kv_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():

@@ -38,7 +38,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kernels.cpu_kernels import build_digest, load_extension
+from conveyor_kernels.cpu_kernels import build_digest, load_extension
 
 # The module, then the body's build per instruction set and the bf16 path (quantized_matmul.h), which ninja compiles
 # in parallel.

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from kernels.triton_utils import interpreter_enabled, require_triton, tl, triton
+from conveyor_kernels.triton_utils import interpreter_enabled, require_triton, tl, triton
 
 # Blocks are copied as raw words of the element's width, so any cache dtype (fp8 included) works
 # and no value is ever converted.
