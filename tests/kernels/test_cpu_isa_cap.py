@@ -34,7 +34,7 @@ def test_capped_at_avx2_the_run_time_picks_and_the_dtype_follow():
     if quantized_matmul.best_isa() == "portable":
         pytest.skip("this CPU has no AVX2: the cap would change nothing")
     script = (
-        "from kernels import quantized_matmul as q; from engine.dtypes import cpu_has_fast_bf16;"
+        "from conveyor_kernels import quantized_matmul as q; from engine.dtypes import cpu_has_fast_bf16;"
         "print(q.best_isa(), q.int8_path(), q.has_avx512_bf16(), cpu_has_fast_bf16())"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
