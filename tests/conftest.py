@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-import torch
+
+# Under pytest-xdist (`-n`), each worker process runs its own tests beside the other workers': one thread each, here and
+# in the processes its tests start (OMP_NUM_THREADS is inherited), or two workers' thread pools on two cores spin
+# against each other (measured: the HF oracle's fixture 3.8x slower than alone).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS: torch reads it once, at import)
 
 if TYPE_CHECKING:
     from engine import LLM
