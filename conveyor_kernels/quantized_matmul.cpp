@@ -194,6 +194,47 @@ std::vector<at::Tensor> pack_int8(const at::Tensor& weight, int64_t kind, int64_
   return {quants, scales, mins};
 }
 
+// Rows `ids` of a weight packed by pack_int8, as float32 [ids, columns]: d * (u - offset) + m, the dequantized values
+// exactly (quantized_matmul_int8.h), so that a tied embedding can look its rows up in the output projection's repack
+// instead of holding the blocks a second time. Two roundings, as gguf-py's: this file is built for baseline x86-64,
+// which has no fused multiply-add to contract them into.
+at::Tensor int8_rows(const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& mins, int64_t kind,
+                     int64_t group, int64_t columns, const at::Tensor& ids) {
+  const Format format = format_of(kind, group);
+  const int sub = quantized_matmul::int8_sub_block(format.kind), bits = quantized_matmul::int8_bits(format.kind);
+  const int64_t subs = columns / sub, tile_bytes = kTileRows * columns * bits / 8;
+  const bool has_min = quantized_matmul::int8_has_min(format.kind);
+  TORCH_CHECK(ids.dtype() == at::kLong && ids.dim() == 1 && quants.dim() == 2 && quants.size(1) == tile_bytes &&
+              scales.numel() == quants.size(0) * subs * kTileRows && mins.numel() == (has_min ? scales.numel() : 0),
+              "ids must be int64 [n] and the packed weight match the columns and the format (pack it with pack_int8)");
+  const auto quant = quants.contiguous(), scale = scales.contiguous(), min = mins.contiguous();
+  const auto id = ids.contiguous();
+  const int64_t n = id.size(0), tiles = quant.size(0);
+  const float offset = (float)quantized_matmul::int8_offset(format.kind);
+  auto out = at::empty({n, columns}, at::kFloat);
+  const int64_t* row_ids = id.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < tiles * kTileRows, "row id ", row_ids[i], " is outside the weight");
+  at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t tile = row_ids[i] / kTileRows, r = row_ids[i] % kTileRows;
+      const uint8_t* q = quant.data_ptr<uint8_t>() + tile * tile_bytes;
+      const float* d = scale.data_ptr<float>() + tile * subs * kTileRows + r;
+      const float* m = has_min ? min.data_ptr<float>() + tile * subs * kTileRows + r : nullptr;
+      float* o = out.data_ptr<float>() + i * columns;
+      for (int64_t k = 0; k < columns; ++k) {
+        // 8-bit: byte 64 j + 4 r + c is value 4 j + c; 4-bit: byte 64 i + 4 r + c holds 8 i + c (low), 8 i + 4 + c
+        const int u = bits == 8 ? q[(k / 4) * 64 + r * 4 + k % 4]
+                                : (q[(k / 8) * 64 + r * 4 + k % 4] >> (k % 8 < 4 ? 0 : 4)) & 0x0F;
+        const int64_t s = k / sub;
+        const float value = d[s * kTileRows] * ((float)u - offset);
+        o[k] = has_min ? value + m[s * kTileRows] : value;
+      }
+    }
+  });
+  return out;
+}
+
 // x [tokens, columns] float32 or bf16, quantized per token in blocks of kActivationBlock values to int8, times a
 // weight packed by pack_int8 ([rows, columns] dequantized) transposed, with integer dot products: [tokens, rows]
 // float32.
@@ -245,6 +286,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "float32 values of quantized rows");
   m.def("matmul", &matmul, "x @ dequantize(weight).T, dequantizing a tile of rows at a time");
   m.def("pack_int8", &pack_int8, "a quantized weight repacked for matmul_int8: quants, scales, mins");
+  m.def("int8_rows", &int8_rows, "rows of a packed weight as float32: its dequantized values");
   m.def("matmul_int8", &matmul_int8, "int8-quantized x @ the packed weight's values.T, integer dot products");
   m.def("int8_path", &int8_path, "the path matmul_int8's auto takes here: avx512_vnni, avx2 or portable");
   m.def("best_isa", &best_isa_name, "the widest instruction set this CPU runs: avx512, avx2 or portable");

@@ -92,10 +92,17 @@ inline int int8_offset(Kind kind) {  // the other formats' zero point, the same 
     default: return 0;
   }
 }
-inline int int8_bits(Kind kind) {  // 4: two quants a byte; 8: one (the 5- and 6-bit formats too)
-  return kind == Kind::Q4_0 || kind == Kind::Q4_1 || kind == Kind::Q4_K || kind == Kind::INT4 ||
-         kind == Kind::UINT4_ZP ? 4 : 8;
+inline int int8_largest_quant(Kind kind) {  // the largest u: 2^bits - 1
+  switch (kind) {
+    case Kind::Q4_0: case Kind::Q4_1: case Kind::Q4_K: case Kind::INT4: case Kind::UINT4_ZP: return 15;
+    case Kind::Q5_0: case Kind::Q5_1: case Kind::Q5_K: return 31;
+    case Kind::Q6_K: return 63;
+    default: return 255;  // Q8_0, int8
+  }
 }
+// Bits a quant takes in the repacked tile: 4 (two a byte) for the 4-bit formats, else 8 (the 5- and 6-bit too).
+constexpr int int8_bits_of(int largest_quant) { return largest_quant <= 15 ? 4 : 8; }
+inline int int8_bits(Kind kind) { return int8_bits_of(int8_largest_quant(kind)); }
 
 // One instruction set's int8-activation kernels (quantized_matmul_int8.h). quantize_activations: x [tokens,
 // columns] (float32, or bf16 bits where x16 is given instead) as above. pack_tile: weight rows [0, rows) (rows <=

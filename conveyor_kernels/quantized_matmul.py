@@ -126,16 +126,23 @@ class Int8Weight:
     format_id: int
     group: int
     rows: int
+    columns: int
 
     @property
     def nbytes(self) -> int:
         return self.quants.nbytes + self.scales.nbytes + self.mins.nbytes
 
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), columns]: rows `ids` (int64 [n]) dequantized, the values the blocks hold exactly (a tied
+        embedding's lookups in its output projection's repack)."""
+        return load_quantized_kernels().int8_rows(self.quants, self.scales, self.mins, self.format_id, self.group,
+                                                  self.columns, ids)
+
 
 def pack_int8(weight: torch.Tensor, format_id: int, group: int, columns: int) -> Int8Weight:
     """uint8 [rows, row_bytes] blocks repacked for `matmul_int8` (every format; groups must be multiples of 32)."""
     quants, scales, mins = load_quantized_kernels().pack_int8(weight, format_id, group, columns)
-    return Int8Weight(quants, scales, mins, format_id, group, weight.shape[0])
+    return Int8Weight(quants, scales, mins, format_id, group, weight.shape[0], columns)
 
 
 def matmul_int8(x: torch.Tensor, weight: Int8Weight, isa: Isa = "auto") -> torch.Tensor:

@@ -234,13 +234,15 @@ static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t* x) 
 }
 
 constexpr int kInt8Tokens = 8;  // tokens a pass: 8 int32 and 8 float32 accumulators of 16 lanes
+#define INT8_KEEP_CHAINS
 
 // out[t0 .. t0 + MT, 0 .. rows) for MT tokens and one tile's 16 rows (an int32 / float32 lane each).
-template <int MT, int kBits, int kSub, bool kMin>
+template <int MT, int kLargest, int kSub, bool kMin>
 static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
                               int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
                               float* out, int64_t ldo, int64_t rows) {
   const int64_t xblocks = columns / kActivationBlock;
+  constexpr int kBits = int8_bits_of(kLargest);
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const __mmask16 mask = (__mmask16)((1u << rows) - 1);
   __m512 acc[MT];
@@ -281,61 +283,79 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
 }
 #elif defined(INT8_AVX2)
 // AVX2 without VNNI: vpmaddubsw multiplies unsigned by signed bytes into int16 pairs (saturating) and vpmaddwd sums
-// the pairs into int32 lanes. Quants of up to 6 bits go in as they are (a pair is at most 2 * 63 * 127, inside
-// int16); the 8-bit formats (u = q + 128) take llama.cpp's sign trick, |q| times x with q's sign (at most
-// 2 * 128 * 127), which gives the signed sum itself, so their zero point is not subtracted again. A pass takes half
-// the tile's rows (8 lanes) and 4 tokens, so that the accumulators fit AVX2's 16 registers.
+// the pairs into int32 lanes. Quants of up to 6 bits go in as they are; the 8-bit formats (u = q + 128) take
+// llama.cpp's sign trick, |q| times x with q's sign, which gives the signed sum itself, so their zero point is not
+// subtracted again. vpmaddubsw and vpmaddwd share the two vector multipliers, so the narrow formats add several
+// dwords' int16 pairs first (vpaddw, an adder) and widen once: a pair is at most 2 * largest * 127, and
+// int8_pairs_per_widen of them stay inside int16 (4-bit: 8, a whole sub-block; 5-bit: 4; 6-bit: 2; the sign trick's
+// 2 * 128 * 127: 1). A pass takes half the tile's rows (8 lanes) and 4 tokens, so that the accumulators fit AVX2's
+// 16 registers.
 constexpr int kInt8Tokens = 4;
+
+// GCC reassociates each token's chain of vpaddw into a tree, which keeps all of a sub-block's products alive at once
+// and spills them to the stack; without tree reassociation the sums stay chains in registers.
+#define INT8_KEEP_CHAINS __attribute__((optimize("no-tree-reassoc")))
+
+constexpr int int8_pairs_per_widen(int largest) { return 32767 / (2 * (largest == 255 ? 128 : largest) * 127); }
 
 static inline __m256i int8_lane_mask(int64_t lanes) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-template <int MT, int kBits, int kSub, bool kMin>
-static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
+template <int MT, int kLargest, int kSub, bool kMin>
+INT8_KEEP_CHAINS static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
                               int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
                               float* out, int64_t ldo, int64_t rows) {
   const int64_t xblocks = columns / kActivationBlock;
-  const bool sign_trick = kBits == 8 && offset == 128.0f;
-  const __m256 zero_point = _mm256_set1_ps(sign_trick ? 0.0f : offset);
+  constexpr int kBits = int8_bits_of(kLargest);
+  constexpr bool kSignTrick = kLargest == 255;
+  constexpr int kDwords = kSub / 4, kWiden = int8_pairs_per_widen(kLargest) < kDwords ? int8_pairs_per_widen(kLargest)
+                                                                                          : kDwords;
+  static_assert(kWiden >= 1 && kDwords % kWiden == 0, "a sub-block's dwords widen in equal groups");
+  const __m256 zero_point = _mm256_set1_ps(kSignTrick ? 0.0f : offset);
   const __m256i ones = _mm256_set1_epi16(1), low_nibbles = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
   for (int half = 0; half < 2 && rows > 8 * half; ++half) {
+    // Whole halves load and store plainly: vmaskmovps stores are slow on AMD's cores.
+    const bool whole = rows >= 8 * (half + 1);
     const __m256i mask = int8_lane_mask(rows - 8 * half);
     __m256 acc[MT];
-    for (int t = 0; t < MT; ++t)
-      acc[t] = accumulate ? _mm256_maskload_ps(out + (t0 + t) * ldo + 8 * half, mask) : _mm256_setzero_ps();
+    for (int t = 0; t < MT; ++t) {
+      float* o = out + (t0 + t) * ldo + 8 * half;
+      acc[t] = !accumulate ? _mm256_setzero_ps() : whole ? _mm256_loadu_ps(o) : _mm256_maskload_ps(o, mask);
+    }
     for (int64_t s = s_begin; s < s_end; ++s) {
-      __m256i dot[MT];
-      for (int t = 0; t < MT; ++t) dot[t] = _mm256_setzero_si256();
+      __m256i dot[MT], pairs[MT];
       const int64_t k0 = s * kSub;
-      const auto multiply = [&](const __m256i w, int64_t k) __attribute__((always_inline)) {
-        if (sign_trick) {
-          const __m256i q = _mm256_xor_si256(w, flip), magnitude = _mm256_abs_epi8(q);  // q = u - 128
+      // dword j (4 values of each of the 8 rows) times each token's 4 quants at k0 + 4 j, into the int16 pairs
+      const auto multiply = [&](const __m256i w, int j) __attribute__((always_inline)) {
+        __m256i magnitude, q;
+        if constexpr (kSignTrick) {
+          q = _mm256_xor_si256(w, flip);  // q = u - 128
+          magnitude = _mm256_abs_epi8(q);
+        }
+        for (int t = 0; t < MT; ++t) {
+          int32_t xq;
+          __builtin_memcpy(&xq, x.quants + (t0 + t) * columns + k0 + 4 * j, 4);
+          const __m256i product = kSignTrick ? _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(xq), q))
+                                             : _mm256_maddubs_epi16(w, _mm256_set1_epi32(xq));
+          pairs[t] = j % kWiden == 0 ? product : _mm256_add_epi16(pairs[t], product);
+        }
+        if (j % kWiden == kWiden - 1) {
           for (int t = 0; t < MT; ++t) {
-            int32_t xq;
-            __builtin_memcpy(&xq, x.quants + (t0 + t) * columns + k, 4);
-            const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(xq), q));
-            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(pairs, ones));
-          }
-        } else {
-          for (int t = 0; t < MT; ++t) {
-            int32_t xq;
-            __builtin_memcpy(&xq, x.quants + (t0 + t) * columns + k, 4);
-            const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(xq));
-            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(pairs, ones));
+            const __m256i widened = _mm256_madd_epi16(pairs[t], ones);
+            dot[t] = j == kWiden - 1 ? widened : _mm256_add_epi32(dot[t], widened);
           }
         }
       };
       if constexpr (kBits == 8) {
-        for (int j = 0; j < kSub / 4; ++j)
-          multiply(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + (k0 / 4 + j) * 64 + 32 * half)),
-                   k0 + 4 * j);
+        for (int j = 0; j < kDwords; ++j)
+          multiply(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + (k0 / 4 + j) * 64 + 32 * half)), j);
       } else {
-        for (int i = 0; i < kSub / 8; ++i) {
+        for (int i = 0; i < kDwords / 2; ++i) {
           const __m256i packed =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + (k0 / 8 + i) * 64 + 32 * half));
-          multiply(_mm256_and_si256(packed, low_nibbles), k0 + 8 * i);
-          multiply(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles), k0 + 8 * i + 4);
+          multiply(_mm256_and_si256(packed, low_nibbles), 2 * i);
+          multiply(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles), 2 * i + 1);
         }
       }
       const __m256 ds = _mm256_loadu_ps(d + s * kTileRows + 8 * half);
@@ -353,7 +373,10 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
         }
       }
     }
-    for (int t = 0; t < MT; ++t) _mm256_maskstore_ps(out + (t0 + t) * ldo + 8 * half, mask, acc[t]);
+    for (int t = 0; t < MT; ++t) {
+      float* o = out + (t0 + t) * ldo + 8 * half;
+      whole ? _mm256_storeu_ps(o, acc[t]) : _mm256_maskstore_ps(o, mask, acc[t]);
+    }
   }
 }
 #else
@@ -368,14 +391,16 @@ static inline int8_vi int8_load_ints(const void* p) { return *reinterpret_cast<c
 static inline int8_vf int8_load_floats(const float* p) { return *reinterpret_cast<const int8_vf_alias*>(p); }
 
 constexpr int kInt8Tokens = 8;
+#define INT8_KEEP_CHAINS
 
 // The same for any instruction set, in plain vector arithmetic (GCC lowers it to the target's width): each dword's
 // four quants widened to int32 lanes and multiplied by the token's.
-template <int MT, int kBits, int kSub, bool kMin>
+template <int MT, int kLargest, int kSub, bool kMin>
 static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
                               int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
                               float* out, int64_t ldo, int64_t rows) {
   const int64_t xblocks = columns / kActivationBlock;
+  constexpr int kBits = int8_bits_of(kLargest);
   int8_vf acc[MT];
   for (int t = 0; t < MT; ++t) {
     acc[t] = int8_vf{};
@@ -425,10 +450,11 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
 // of 576-value rows).
 constexpr int64_t kChunkColumns = 512;
 
-template <int kBits, int kSub, bool kMin>
-static void int8_tiles(const Int8Activations& x, const uint8_t* quants, const float* scales, const float* mins,
+template <int kLargest, int kSub, bool kMin>
+INT8_KEEP_CHAINS static void int8_tiles(const Int8Activations& x, const uint8_t* quants, const float* scales, const float* mins,
                        float offset, int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows, float* out) {
-  const int64_t subs = columns / kSub, tile_bytes = kTileRows * columns * kBits / 8, chunk = kChunkColumns / kSub;
+  const int64_t subs = columns / kSub, tile_bytes = kTileRows * columns * int8_bits_of(kLargest) / 8;
+  const int64_t chunk = kChunkColumns / kSub;
   constexpr int kTokens = kInt8Tokens;
   for (int64_t tile = first_tile; tile < last_tile; ++tile) {
     const uint8_t* q = quants + tile * tile_bytes;
@@ -440,27 +466,31 @@ static void int8_tiles(const Int8Activations& x, const uint8_t* quants, const fl
       const bool accumulate = s0 > 0;
       int64_t t = 0;
       for (; t + kTokens <= x.tokens; t += kTokens)
-        int8_micro<kTokens, kBits, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows,
+        int8_micro<kTokens, kLargest, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows,
                                                          tile_rows);
       for (; kTokens > 4 && t + 4 <= x.tokens; t += 4)
-        int8_micro<4, kBits, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
+        int8_micro<4, kLargest, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
       for (; t < x.tokens; ++t)
-        int8_micro<1, kBits, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
+        int8_micro<1, kLargest, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
     }
   }
 }
 
-// The loop above instantiated for the format's bits a quant, values a sub-block and offsets.
+// The loop above instantiated for the format's largest quant, values a sub-block and offsets.
 static void matmul_tiles(const Format& format, const Int8Activations& x, const uint8_t* quants, const float* scales,
                          const float* mins, int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows,
                          float* out) {
   const float offset = (float)int8_offset(format.kind);
   const auto run = [&](auto tiles) { tiles(x, quants, scales, mins, offset, columns, first_tile, last_tile, rows, out); };
   const bool has_min = int8_has_min(format.kind);
-  if (int8_bits(format.kind) == 4) has_min ? run(int8_tiles<4, 32, true>) : run(int8_tiles<4, 32, false>);
-  else if (int8_sub_block(format.kind) == 16) run(int8_tiles<8, 16, false>);  // Q6_K
-  else has_min ? run(int8_tiles<8, 32, true>) : run(int8_tiles<8, 32, false>);
+  switch (int8_largest_quant(format.kind)) {
+    case 15: has_min ? run(int8_tiles<15, 32, true>) : run(int8_tiles<15, 32, false>); break;
+    case 31: has_min ? run(int8_tiles<31, 32, true>) : run(int8_tiles<31, 32, false>); break;
+    case 63: run(int8_tiles<63, 16, false>); break;  // Q6_K
+    default: run(int8_tiles<255, 32, false>); break;  // Q8_0, int8
+  }
 }
 
 // This instruction set's int8-activation kernels, for quantized_matmul.cpp (quantized_matmul.h).
 extern const Int8Kernels int8_kernels = {&quantize_activations, &pack_tile, &matmul_tiles};
+#undef INT8_KEEP_CHAINS

@@ -17,6 +17,8 @@ name: the AVX-512, AVX2 and portable builds all run on an AVX-512 machine):
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -235,6 +237,44 @@ def test_int8_activations_match_the_quantized_product(case):
             got = quantized_matmul.matmul_int8(x, packed, isa)
             assert got.shape == (tokens, 37) and got.dtype == torch.float32
             assert ((got - expected).abs() <= bound).all(), (isa, tokens, (got - expected).abs().max())
+
+
+@pytest.mark.parametrize("case", _int8_formats(37), ids=lambda case: case[0])
+def test_int8_repack_rows_are_the_dequantized_rows(case):
+    """A packed weight's rows read back (a tied embedding's lookups) are exactly the blocks' dequantized values,
+    in any order and repeated; an id past the rows is refused."""
+    name, format_id, group, columns, weight = case
+    packed = quantized_matmul.pack_int8(weight, format_id, group, columns)
+    ids = torch.tensor([36, 0, 17, 16, 17, 5])
+    assert torch.equal(packed.dequantize_rows(ids), quantized_matmul.dequantize(weight, format_id, group, columns)[ids])
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        packed.dequantize_rows(torch.tensor([48]))
+
+
+# The largest quant each format's repack holds (u = q + 128 for the 8-bit ones): the AVX2 path adds several int16
+# pair sums before widening them, as many as stay inside int16 at these extremes.
+_LARGEST_QUANT = {"Q4_0": 15, "Q4_1": 15, "Q4_K": 15, "INT4": 15, "UINT4_ZP": 15, "Q5_0": 31, "Q5_1": 31,
+                  "Q5_K": 31, "Q6_K": 63, "Q8_0": 255, "INT8": 255}
+
+
+@pytest.mark.parametrize("case", _int8_formats(37), ids=lambda case: case[0])
+def test_int8_activations_at_the_extremes_of_the_integer_sums(case):
+    """Every quant at its format's largest magnitude (both signs for the 8-bit formats) and every x quant at +-127:
+    each integer sum is at its largest, and every path still equals the float64 product."""
+    name, format_id, group, columns, weight = case
+    packed = quantized_matmul.pack_int8(weight, format_id, group, columns)
+    largest = _LARGEST_QUANT[name]
+    fills = [0, 255] if largest == 255 else [largest | largest << 4 if largest == 15 else largest]
+    x = torch.ones(3, columns)
+    x[1] = -1
+    x[2, ::2] = -1
+    for fill in fills:
+        extreme = dataclasses.replace(packed, quants=torch.full_like(packed.quants, fill))
+        dequantized = extreme.dequantize_rows(torch.arange(37))
+        expected = quantized_matmul.matmul_int8_reference(x, dequantized)
+        for isa in _int8_paths():
+            torch.testing.assert_close(quantized_matmul.matmul_int8(x, extreme, isa), expected, rtol=1e-5, atol=1e-5,
+                                       msg=f"{isa}, quants {fill}")
 
 
 def test_int8_activations_round_halves_to_even():
