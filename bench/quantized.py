@@ -95,10 +95,12 @@ def _write_folder(converted: Path, out: Path, tensors: dict[str, torch.Tensor], 
 
 def weight_bytes(llm: LLM) -> int:
     """Bytes of the projections' weights as held (blocks, scales, their repack for int8 activations, or one float
-    copy) and of the embedding (a GGUF's blocks, or float)."""
+    copy) and of the embedding (a GGUF's blocks, or float; nothing of its own where it reads a tied quantized output
+    projection's rows)."""
     model = llm.engine.model
     embedding = model.model.embed_tokens
-    total = (embedding.weight if embedding.blocks is None else embedding.blocks).nbytes
+    total = 0 if embedding.shared_rows is not None else (
+        embedding.weight if embedding.blocks is None else embedding.blocks).nbytes
     for module in model.modules():
         if not isinstance(module, QuantizableLinear):
             continue

@@ -14,6 +14,7 @@ that can be sliced before they are read (safetensors slices): a rank reads its p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -185,10 +186,14 @@ class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary split across ranks: each rank looks up the ids it holds (zeros for the
     others) and one all-reduce sums the rows. A GGUF's quantized embedding keeps its blocks instead of `weight`
     (`blocks`, uint8 [rows, row_bytes] of GGUF format `format_id`), and a lookup dequantizes the rows it reads to
-    the same values a float copy would hold, at the blocks' bytes."""
+    the same values a float copy would hold, at the blocks' bytes. The embedding of a tied output projection that
+    runs quantized holds nothing of its own: `read_rows_from` the projection, whose quantized rows it dequantizes
+    (one matrix in memory, as llama.cpp keeps it)."""
 
     blocks: torch.Tensor | None = None
     format_id: int | None = None
+    # ids [n] -> float32 rows [n, hidden] of the tied output projection (read_rows_from); None: weight or blocks
+    shared_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
@@ -211,6 +216,12 @@ class VocabParallelEmbedding(nn.Module):
         del self.weight
         return rows * self.hidden_size
 
+    def read_rows_from(self, head: ParallelLMHead) -> None:
+        """Look rows up in the tied output projection `head` (quantized; the same vocabulary rows on this rank),
+        dropping this embedding's own matrix."""
+        self.shared_rows = functools.partial(head.method.dequantize_rows, head)
+        del self.weight
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
             return self._rows(input_ids)
@@ -220,10 +231,13 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(rows)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.blocks is None:
+        if self.shared_rows is not None:
+            rows = self.shared_rows(ids.reshape(-1)).to(self.dtype)
+        elif self.blocks is not None:
+            quantized = self.blocks.index_select(0, ids.reshape(-1))
+            rows = quantized_matmul.dequantize(quantized, self.format_id, 0, self.hidden_size).to(self.dtype)
+        else:
             return F.embedding(ids, self.weight)
-        quantized = self.blocks.index_select(0, ids.reshape(-1))
-        rows = quantized_matmul.dequantize(quantized, self.format_id, 0, self.hidden_size).to(self.dtype)
         return rows.reshape(*ids.shape, self.hidden_size)
 
 

@@ -344,7 +344,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, backend, kernels, self.layer_class)
         quantization = current_quantization()
         # A tied output projection where quantization applies to it is a projection of its own, loaded from the
-        # embedding's tensor (its quantized copy); otherwise it reads the float embedding.
+        # embedding's tensor (quantized), and the embedding then reads its rows from it; otherwise it reads the
+        # float embedding.
         self.own_output = not config.tie_word_embeddings or (
             quantization is not None and quantization.tied_output_quantized
         )
@@ -401,7 +402,9 @@ class LlamaForCausalLM(nn.Module):
                 module.process_weights_after_loading(pack_for_cpu)
             elif isinstance(module, Linear) and pack_for_cpu:  # a MoE router
                 module.pack_for_cpu()
-        if pack_for_cpu and not self.own_output:
+        if self.config.tie_word_embeddings and self.own_output:
+            self.model.embed_tokens.read_rows_from(self.lm_head)
+        elif pack_for_cpu and not self.own_output:
             self._packed_embedding = prepack(self.model.embed_tokens.weight)
 
     # Hugging Face checkpoint name suffix -> (our fused parameter suffix, which part of it)
@@ -436,6 +439,11 @@ class LlamaForCausalLM(nn.Module):
             target, part = self.checkpoint_destination(name)
             if target not in params:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            if target == "model.embed_tokens.weight" and self.config.tie_word_embeddings and self.own_output:
+                # only the quantized output projection holds it: the embedding reads its rows (read_rows_from)
+                filled["lm_head.weight"] = self.lm_head.load("weight", tensor, None)
+                filled[target] = params[target].numel()
+                continue
             module_path, _, leaf = target.rpartition(".")
             module = self.get_submodule(module_path)
             if hasattr(module, "load"):  # a sharded layer: reads its rank's slice only
@@ -448,8 +456,6 @@ class LlamaForCausalLM(nn.Module):
                 destination.copy_(whole)
                 written = whole.numel()
             filled[target] = filled.get(target, 0) + written
-            if target == "model.embed_tokens.weight" and self.config.tie_word_embeddings and self.own_output:
-                filled["lm_head.weight"] = self.lm_head.load("weight", tensor, None)
         missing = sorted(name for name, param in params.items() if filled.get(name, 0) < param.numel())
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

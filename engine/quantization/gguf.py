@@ -125,6 +125,13 @@ class GGUFLinearMethod:
             return _Piece(format_id, quantized_matmul.pack_int8(blocks, format_id, 0, layer.in_features))
         return _Piece(format_id, blocks)
 
+    def dequantize_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows `ids` [n] of the layer's matrix (one piece of blocks: a tied embedding's lookups)."""
+        (piece,) = layer.gguf_pieces
+        if isinstance(piece.weight, Int8Weight):
+            return piece.weight.dequantize_rows(ids)
+        return quantized_matmul.dequantize(piece.weight.index_select(0, ids), piece.format_id, 0, layer.in_features)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         outputs = [
             F.linear(x, piece.weight) if piece.format_id is None

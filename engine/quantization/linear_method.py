@@ -35,6 +35,15 @@ class LinearMethod(Protocol):
         ...
 
 
+class RowReadable(Protocol):
+    """A method whose quantized matrix a tied embedding reads row by row (GGUF blocks, int8 / int4): the one matrix
+    serves the output projection and the lookups."""
+
+    def dequantize_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows `ids` (int64 [n]) of the layer's [out_features, in_features] matrix, dequantized."""
+        ...
+
+
 _building: LinearMethod | None = None
 _building_quantization: QuantizationConfig | None = None
 

@@ -3,9 +3,9 @@
 - a GGUF whose matrices are quantized (every supported type, a fused q/k/v of three different types, the K-quants
   as random blocks since gguf-py has no quantizer for them) generates what transformers generates from the same
   file (`from_pretrained(gguf_file=...)`, which dequantizes with gguf-py to float32), token for token, with its
-  own output projection or tied to the embedding (whose blocks then run the output projection too);
+  own output projection or tied to the embedding (whose blocks then run the output projection too, held once);
 - int8 / int4 weight-only quantization at load generates what the dequantized model (its weights replaced by
-  the dequantized values, loaded unquantized; a tied output projection quantized, the embedding not) generates,
+  the dequantized values, loaded unquantized; a tied output projection and so its embedding too) generates,
   token for token, batched and with chunked prefill;
 - what the quantization is shows in the engine's config; the wrong asks fail by name.
 """
@@ -114,10 +114,21 @@ def test_quantized_gguf_matches_transformers_in_float32(tied, tmp_path):
     model = llm.engine.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert [piece.weight.dtype for piece in qkv.gguf_pieces] == [torch.uint8] * 3 and not hasattr(qkv, "weight")
-    # the embedding keeps its blocks (a lookup dequantizes its rows); tied, the output projection runs them too
+    # the embedding keeps its blocks (a lookup dequantizes its rows); tied, the output projection holds them and
+    # the embedding reads its rows there (one copy), with or without int8 activations (the blocks repacked)
     embedding = model.model.embed_tokens
-    assert embedding.blocks.dtype == torch.uint8 and not hasattr(embedding, "weight")
+    assert not hasattr(embedding, "weight")
     assert [piece.weight.dtype for piece in model.lm_head.gguf_pieces] == [torch.uint8]
+    if not tied:
+        assert embedding.blocks.dtype == torch.uint8
+        return
+    assert embedding.blocks is None
+    every_id = torch.arange(reference.config.vocab_size)
+    expected_rows = reference.get_input_embeddings().weight.detach()
+    assert torch.equal(model.embed(every_id), expected_rows)
+    repacked = LLM(model=str(path), dtype="float32", device="cpu", quantized_activations="int8").engine.model
+    assert repacked.model.embed_tokens.blocks is None and not hasattr(repacked.model.embed_tokens, "weight")
+    assert torch.equal(repacked.embed(every_id), expected_rows)
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -125,17 +136,15 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def _dequantized_copy(folder: Path, out: Path, bits: int, group_size: int) -> Path:
     """The folder with each projection's weight replaced by its quantize -> dequantize round trip; a tied output
-    projection untied (it is quantized, the embedding is not)."""
+    projection's too, which is the embedding (one quantized matrix serves both)."""
     from safetensors.torch import load_file
 
     out.mkdir()
     tensors = load_file(str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
-    if config.get("tie_word_embeddings"):
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-        config["tie_word_embeddings"] = False
+    projections = _PROJECTIONS + (("embed_tokens",) if config.get("tie_word_embeddings") else ())
     for name, weight in tensors.items():
-        if any(f"{projection}.weight" in name for projection in _PROJECTIONS):
+        if any(f"{projection}.weight" in name for projection in projections):
             blocks = quantize_rows(weight, bits, group_size)
             tensors[name] = dequantize_rows_reference(blocks, bits, group_size, weight.shape[1])
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -156,7 +165,7 @@ def _tied_copy(folder: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("method,tied", [("int8", False), ("int4", False), ("int8", True)])
+@pytest.mark.parametrize("method,tied", [("int8", False), ("int4", False), ("int4", True)])
 def test_weight_only_matches_the_dequantized_model(method, tied, tiny_llama_folder, tmp_path):
     group_size = 32
     options = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, quantization_group_size=group_size)
@@ -168,8 +177,10 @@ def test_weight_only_matches_the_dequantized_model(method, tied, tiny_llama_fold
     got = [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == want
     model = quantized.engine.model
-    for projection in (model.model.layers[0].mlp.down_proj, model.lm_head):  # tied: a quantized copy of the embedding
+    for projection in (model.model.layers[0].mlp.down_proj, model.lm_head):
         assert projection.qweight.dtype == torch.uint8 and not hasattr(projection, "weight")
+    if tied:  # the embedding looks its rows up in the quantized output projection: no float copy
+        assert not hasattr(model.model.embed_tokens, "weight")
 
 
 def test_wrong_quantization_asks_fail_by_name(tiny_llama_folder, tmp_path):
