@@ -347,10 +347,13 @@ INT8_KEEP_CHAINS static inline void int8_micro(const uint8_t* quants, const floa
           }
         }
       };
+      // Unrolled whole, so that which dwords start and end a widening group is known at compile time.
       if constexpr (kBits == 8) {
+#pragma GCC unroll 8
         for (int j = 0; j < kDwords; ++j)
           multiply(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + (k0 / 4 + j) * 64 + 32 * half)), j);
       } else {
+#pragma GCC unroll 4
         for (int i = 0; i < kDwords / 2; ++i) {
           const __m256i packed =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + (k0 / 8 + i) * 64 + 32 * half));
