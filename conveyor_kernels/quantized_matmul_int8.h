@@ -364,7 +364,7 @@ INT8_KEEP_CHAINS static inline void int8_micro(const uint8_t* quants, const floa
   constexpr int kDwords = kSub / 4, kWiden = int8_pairs_per_widen(kLargest) < kDwords ? int8_pairs_per_widen(kLargest)
                                                                                           : kDwords;
   static_assert(kWiden >= 1 && kDwords % kWiden == 0, "a sub-block's dwords widen in equal groups");
-  const __m256 zero_point = _mm256_set1_ps(kSignTrick ? 0.0f : offset);
+  const __m256 zero_point = _mm256_set1_ps(offset);
   const __m256i ones = _mm256_set1_epi16(1), low_nibbles = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
   for (int half = 0; half < 2 && rows > 8 * half; ++half) {
     // Whole halves load and store plainly: vmaskmovps stores are slow on AMD's cores.
@@ -422,6 +422,8 @@ INT8_KEEP_CHAINS static inline void int8_micro(const uint8_t* quants, const floa
         if constexpr (kMin) {
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(ds, scale), acc[t]);
           acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(m + s * kTileRows + 8 * half), scaled_sum, acc[t]);
+        } else if constexpr (kSignTrick) {  // the signed sum itself: no zero point to take off
+          acc[t] = _mm256_fmadd_ps(ds, _mm256_mul_ps(_mm256_cvtepi32_ps(dot[t]), scale), acc[t]);
         } else {
           const __m256 shifted = _mm256_fnmadd_ps(zero_point, scaled_sum, _mm256_mul_ps(_mm256_cvtepi32_ps(dot[t]), scale));
           acc[t] = _mm256_fmadd_ps(ds, shifted, acc[t]);
