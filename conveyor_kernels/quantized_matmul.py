@@ -202,6 +202,15 @@ def matmul_bf16_reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.T
 DEQUANTIZE_ABOVE_TOKENS = 32
 
 
+def dequantize_rows(weight: torch.Tensor | Int8Weight, ids: torch.Tensor, format_id: int, group: int,
+                    columns: int) -> torch.Tensor:
+    """float32 [len(ids), columns]: rows `ids` (int64 [n]) of a weight as `linear` takes it (blocks, or their repack
+    by `pack_int8`), dequantized: an embedding's lookups."""
+    if isinstance(weight, Int8Weight):
+        return weight.dequantize_rows(ids)
+    return dequantize(weight.index_select(0, ids), format_id, group, columns)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, format_id: int, group: int, columns: int) -> torch.Tensor:
     """x [..., columns] @ dequantize(weight).T in x's dtype, for a layer. A weight packed by `pack_int8` (int8
     activations): every step quantizes x to int8 (`matmul_int8`), whatever its size. Blocks: the on-the-fly kernel

@@ -234,8 +234,8 @@ class VocabParallelEmbedding(nn.Module):
         if self.shared_rows is not None:
             rows = self.shared_rows(ids.reshape(-1)).to(self.dtype)
         elif self.blocks is not None:
-            quantized = self.blocks.index_select(0, ids.reshape(-1))
-            rows = quantized_matmul.dequantize(quantized, self.format_id, 0, self.hidden_size).to(self.dtype)
+            rows = quantized_matmul.dequantize_rows(self.blocks, ids.reshape(-1), self.format_id, 0, self.hidden_size)
+            rows = rows.to(self.dtype)
         else:
             return F.embedding(ids, self.weight)
         return rows.reshape(*ids.shape, self.hidden_size)

@@ -128,9 +128,7 @@ class GGUFLinearMethod:
     def dequantize_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows `ids` [n] of the layer's matrix (one piece of blocks: a tied embedding's lookups)."""
         (piece,) = layer.gguf_pieces
-        if isinstance(piece.weight, Int8Weight):
-            return piece.weight.dequantize_rows(ids)
-        return quantized_matmul.dequantize(piece.weight.index_select(0, ids), piece.format_id, 0, layer.in_features)
+        return quantized_matmul.dequantize_rows(piece.weight, ids, piece.format_id, 0, layer.in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         outputs = [

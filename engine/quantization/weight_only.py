@@ -81,10 +81,7 @@ class WeightOnlyLinearMethod(UnquantizedLinearMethod):
 
     def dequantize_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows `ids` [n] of the quantized matrix (a tied embedding's lookups): scale * value."""
-        if isinstance(layer.qweight, quantized_matmul.Int8Weight):
-            return layer.qweight.dequantize_rows(ids)
-        return quantized_matmul.dequantize(layer.qweight.index_select(0, ids), self.format_id, self.group_size,
-                                           layer.in_features)
+        return quantized_matmul.dequantize_rows(layer.qweight, ids, self.format_id, self.group_size, layer.in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = quantized_matmul.linear(x, layer.qweight, self.format_id, self.group_size, layer.in_features)
