@@ -337,8 +337,8 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
 // AVX2 without VNNI: vpmaddubsw multiplies unsigned by signed bytes into int16 pairs (saturating) and vpmaddwd sums
 // the pairs into int32 lanes. Quants of up to 6 bits go in as they are; the 8-bit formats (u = q + 128) take
 // llama.cpp's sign trick, |q| times x with q's sign, which gives the signed sum itself, so their zero point is not
-// subtracted again. vpmaddubsw and vpmaddwd share the two vector multipliers, so the narrow formats add several
-// dwords' int16 pairs first (vpaddw, an adder) and widen once: a pair is at most 2 * largest * 127, and
+// subtracted again. The narrow formats add several dwords' int16 pairs first (vpaddw) and widen them once, one
+// vpmaddwd and one vpaddd a group instead of a dword: a pair is at most 2 * largest * 127, and
 // int8_pairs_per_widen of them stay inside int16 (4-bit: 8, a whole sub-block; 5-bit: 4; 6-bit: 2; the sign trick's
 // 2 * 128 * 127: 1). A pass takes half the tile's rows (8 lanes) and 4 tokens, so that the accumulators fit AVX2's
 // 16 registers.
@@ -355,9 +355,10 @@ static inline __m256i int8_lane_mask(int64_t lanes) {
 }
 
 template <int MT, int kLargest, int kSub, bool kMin>
-INT8_KEEP_CHAINS static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
-                              int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
-                              float* out, int64_t ldo, int64_t rows) {
+INT8_KEEP_CHAINS static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset,
+                                               int64_t s_begin, int64_t s_end, bool accumulate,
+                                               const Int8Activations& x, int64_t t0, int64_t columns, float* out,
+                                               int64_t ldo, int64_t rows) {
   const int64_t xblocks = columns / kActivationBlock;
   constexpr int kBits = int8_bits_of(kLargest);
   constexpr bool kSignTrick = kLargest == 255;
@@ -508,8 +509,9 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
 constexpr int64_t kChunkColumns = 512;
 
 template <int kLargest, int kSub, bool kMin>
-INT8_KEEP_CHAINS static void int8_tiles(const Int8Activations& x, const uint8_t* quants, const float* scales, const float* mins,
-                       float offset, int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows, float* out) {
+INT8_KEEP_CHAINS static void int8_tiles(const Int8Activations& x, const uint8_t* quants, const float* scales,
+                                        const float* mins, float offset, int64_t columns, int64_t first_tile,
+                                        int64_t last_tile, int64_t rows, float* out) {
   const int64_t subs = columns / kSub, tile_bytes = kTileRows * columns * int8_bits_of(kLargest) / 8;
   const int64_t chunk = kChunkColumns / kSub;
   constexpr int kTokens = kInt8Tokens;
