@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> None:
         )
         print(f"{kv_cache_dtype}: {engine.block_manager.num_blocks} blocks, {tokens} tokens", flush=True)
         # The engine's paged attention calls the C++ decode attention by this name; a bench-only override.
-        forced = partial(cpu_kernels.paged_decode_attention, int8_path=int8_path)
+        forced = partial(cpu_kernels.paged_decode_attention, path=int8_path)
         cpu_start = time.process_time()
         with mock.patch.object(paged_attention, "paged_decode_attention", forced) if int8_path else nullcontext():
             result = run_conveyor(llm, requests)
@@ -143,7 +143,7 @@ def print_attention_table(heads: int, kv_heads: int, head_dim: int, dtype: torch
         "float32": (query, k, v, None),
         dtype_name(dtype): (query.to(dtype), k.to(dtype), v.to(dtype), None),
     }
-    for path in reversed(cpu_kernels.int8_decode_paths(head_dim, dtype)):
+    for path in reversed(cpu_kernels.vector_decode_paths(head_dim, dtype, torch.int8)):
         cases[f"int8, {path}"] = (query.to(dtype), int8_k, int8_v, path)
     # Wall-clock and CPU time (all threads'): on a busy machine a thread waiting for a core shows in the first only.
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
@@ -152,7 +152,7 @@ def print_attention_table(heads: int, kv_heads: int, head_dim: int, dtype: torch
             out = torch.empty_like(q)
             start, cpu_start = time.perf_counter(), time.process_time()
             cpu_kernels.paged_decode_attention(
-                q, k_cache, v_cache, tables, lens, torch.arange(seqs), head_dim**-0.5, out, int8_path=path or "auto"
+                q, k_cache, v_cache, tables, lens, torch.arange(seqs), head_dim**-0.5, out, path=path or "auto"
             )
             if round_ >= 2:
                 times[name].append((time.perf_counter() - start, time.process_time() - cpu_start))

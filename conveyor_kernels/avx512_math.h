@@ -1,5 +1,5 @@
 // AVX-512 float32 helpers shared by the CPU kernels (cpu_kernels.h), the int8 cache's decode attention
-// (kv_int8_decode_avx512.cpp) and the quantized matmul's bf16 path (quantized_matmul_avx512_bf16.cpp): included
+// (vector_decode_avx512.cpp) and the quantized matmul's bf16 path (quantized_matmul_avx512_bf16.cpp): included
 // where AVX-512 is enabled, -march=native in the first, a target pragma in the others.
 #pragma once
 #include <immintrin.h>

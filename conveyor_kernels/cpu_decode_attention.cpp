@@ -1,6 +1,6 @@
 // Paged decode attention on the CPU: the portable kernel (any float dtype; float or int8 caches, dequantized as
-// read) and, on a CPU with AVX-512 BF16, the bf16 kernel. The int8 cache's AVX-512 / AVX2 kernels are their own
-// build (kv_int8_decode.cpp).
+// read) and, on a CPU with AVX-512 BF16, the bf16 kernel. The AVX-512 / AVX2 kernels of int8 and float32 caches are
+// their own build (vector_decode.cpp).
 #include "cpu_kernels.h"
 
 #include <ATen/Dispatch.h>

@@ -9,13 +9,14 @@ heads of a kv head at a time (in bf16 on a CPU with AVX-512 BF16: q.k and p.v bo
 from the cache's bf16, the probabilities rounded to bf16 as torch's bf16 attention rounds them, one
 softmax step per 64 positions, the next rows prefetched since blocks lie anywhere in the cache: 64
 sequences of 400 positions in SmolLM2-135M's shape, two threads, 0.79 ms a layer where widening the
-values to float32 for p.v took 2.0, and a plain read of the K/V 0.56; an int8 cache, conveyor_kernels/kv_quant.py, goes to
-`kv_int8_decode.cpp`, a separate build with AVX-512 and AVX2 paths (`kv_int8_decode_avx512.cpp`, `_avx2.cpp`)
-picked at run time (`load_int8_decode_kernels`),
-else to the portable kernel here, which dequantizes each row as it widens it);
-the RMSNorm fuses the residual add and the float32 statistics into one pass per row; in bf16 and fp16
-the rotary embedding (in place, bit for bit the torch expression), SwiGLU's silu(gate) * up and the
-K/V cache writes are one pass each instead of several torch ops. Their oracles are
+values to float32 for p.v took 2.0, and a plain read of the K/V 0.56; an int8 cache, conveyor_kernels/kv_quant.py, and
+a float32 one go to `vector_decode.cpp`, a separate build with AVX-512 and AVX2 paths (`vector_decode_avx512.cpp`,
+`_avx2.cpp`) picked at run time (`load_vector_decode_kernels`; float32 in SmolLM2-135M's shape, 14 sequences of
+110 positions, one thread on the AVX2-only EPYC: 0.45x the portable kernel's time), else to the portable kernel
+here, which dequantizes each row as it widens it);
+the RMSNorm fuses the residual add and the float32 statistics into one pass per row; the rotary embedding
+(in place, bit for bit the torch expression, float32 included), the K/V cache writes and, in bf16 and fp16, SwiGLU's
+silu(gate) * up are one pass each instead of several torch ops. Their oracles are
 `paged_attention_reference`, the model's torch RMSNorm and the torch expressions they replace. The
 encoder attention of the embedding models attends packed sequences of any lengths with AMX tile
 matmuls, unpadded and unmasked: over the 17 batches of `bench.embeddings`' 1,000 chunks (16-256
@@ -67,16 +68,18 @@ _SOURCES = [
         "cpu_sampling.cpp", "cpu_encoder.cpp",
     )
 ]
-# The int8 cache's decode attention: the module, then its body's build per instruction set (kv_int8_decode.h).
-_INT8_DECODE_SOURCES = [
+# The vector decode attention of int8 and float32 caches: the module, then its body's build per instruction set
+# (vector_decode.h).
+_VECTOR_DECODE_SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("kv_int8_decode.cpp", "kv_int8_decode_avx512.cpp", "kv_int8_decode_avx2.cpp")
+    for name in ("vector_decode.cpp", "vector_decode_avx512.cpp", "vector_decode_avx2.cpp")
 ]
 # `#include "name"` in a source or header: the kernels' own headers, which build_digest follows.
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
-# The int8 cache's decode attention paths: `auto` the widest this CPU runs for the call's head_dim and dtype.
-Int8DecodePath = Literal["auto", "avx512", "avx2", "portable"]
+# The decode attention's paths for an int8 or float32 cache: `auto` the widest this CPU runs for the call's head_dim,
+# dtype and cache.
+DecodePath = Literal["auto", "avx512", "avx2", "portable"]
 
 
 # CONVEYOR_CPU_ISA: caps the instruction sets every C++ kernel uses below what the CPU runs ("avx2": AVX2 + FMA,
@@ -115,29 +118,33 @@ def load_cpu_kernels() -> ModuleType | None:
 
 
 @cache
-def load_int8_decode_kernels() -> ModuleType | None:
-    """The int8 cache's AVX-512 / AVX2 decode attention (`kv_int8_decode.cpp`, one build for any x86-64, the path
-    picked at run time), or None where it cannot be built: the portable kernel then reads int8 caches."""
+def load_vector_decode_kernels() -> ModuleType | None:
+    """The AVX-512 / AVX2 decode attention of int8 and float32 caches (`vector_decode.cpp`, one build for any x86-64,
+    the path picked at run time), or None where it cannot be built: the portable kernel then reads those caches."""
     try:
         return load_extension(
-            f"conveyor_kv_int8_decode_{build_digest(*_INT8_DECODE_SOURCES)}",
-            "the int8 KV cache's decode attention",
-            _INT8_DECODE_SOURCES,
+            f"conveyor_vector_decode_{build_digest(*_VECTOR_DECODE_SOURCES)}",
+            "the vector decode attention",
+            _VECTOR_DECODE_SOURCES,
             extra_cflags=["-O3", "-fopenmp"],  # no -march=native: each path is compiled for its instruction set
             extra_ldflags=["-fopenmp"],  # at::parallel_for runs its threads through OpenMP
         )
     except Exception as error:  # any build failure means: the portable kernel
-        log.warning("int8 decode attention kernels unavailable, using the portable kernel: %s", error)
+        log.warning("vector decode attention kernels unavailable, using the portable kernel: %s", error)
         return None
 
 
 @cache  # asked by every layer of every step
-def int8_decode_paths(head_dim: int, dtype: torch.dtype) -> tuple[str, ...]:
-    """The paths `paged_decode_attention` can take here for an int8 cache, narrowest first: `portable` (the C++
-    kernels' own, any head_dim and dtype), then `avx2` and `avx512` for head_dim 32/64/128/256 and float32 or bf16
-    queries on a CPU that runs them."""
-    kernels = load_int8_decode_kernels()
-    if kernels is None or not kernels.supports(head_dim) or dtype not in (torch.float32, torch.bfloat16):
+def vector_decode_paths(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths `paged_decode_attention` can take here for `dtype` queries over a `cache_dtype` cache, narrowest
+    first: `portable` (the C++ kernels' own, any head_dim and dtype), then `avx2` and `avx512` for head_dim
+    32/64/128/256 on a CPU that runs them, with float32 or bf16 queries over an int8 cache or float32 queries over a
+    float32 one."""
+    kernels = load_vector_decode_kernels()
+    vector_pair = (cache_dtype == torch.int8 and dtype in (torch.float32, torch.bfloat16)) or (
+        cache_dtype == dtype == torch.float32
+    )
+    if kernels is None or not kernels.supports(head_dim) or not vector_pair:
         return ("portable",)
     order = ("portable", "avx2", "avx512")
     return order[: order.index(kernels.best_isa()) + 1]
@@ -225,23 +232,22 @@ def paged_decode_attention(
     out: torch.Tensor,  # [T, num_heads, head_dim] contiguous: rows in token_index are written
     window: int | None = None,  # sliding window: the row attends its last `window` positions only
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
-    int8_path: Int8DecodePath = "auto",  # an int8 cache's kernel (tests and the benchmark force each)
+    path: DecodePath = "auto",  # the kernel (tests and the benchmarks force each of `vector_decode_paths`)
 ) -> None:
-    if k_cache.dtype == torch.int8:
-        paths = int8_decode_paths(query.shape[-1], query.dtype)
-        path = paths[-1] if int8_path == "auto" else int8_path
-        if path not in paths:
-            raise ValueError(f"no {path} int8 decode attention here for head_dim {query.shape[-1]}, {query.dtype}")
-        if path != "portable":
-            vector = load_int8_decode_kernels()
-            assert vector is not None  # int8_decode_paths offers a vector path only where it was built
-            vector.decode_attention(
-                query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale, window or 0, softcap or 0.0,
-                path,
-            )
-            return
-    elif int8_path != "auto":
-        raise ValueError(f"int8_path {int8_path!r} is for int8 caches; this one is {k_cache.dtype}")
+    paths = vector_decode_paths(query.shape[-1], query.dtype, k_cache.dtype)
+    chosen = paths[-1] if path == "auto" else path
+    if chosen not in paths:
+        raise ValueError(
+            f"no {chosen} decode attention here for head_dim {query.shape[-1]}, {query.dtype} queries, a {k_cache.dtype} "
+            f"cache; here: {', '.join(paths)}"
+        )
+    if chosen != "portable":
+        vector = load_vector_decode_kernels()
+        assert vector is not None  # vector_decode_paths offers a vector path only where it was built
+        vector.decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale, window or 0, softcap or 0.0, chosen
+        )
+        return
     _kernels().paged_decode_attention(
         query, k_cache, v_cache, block_tables, seq_lens, token_index, out, scale, window or 0, softcap or 0.0
     )
@@ -284,7 +290,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
 
 def rotary_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Neox-style rotary embedding of x ([T, heads, head_dim], bf16 or fp16; rows may be strided) in place, with
+    """Neox-style rotary embedding of x ([T, heads, head_dim], float32, bf16 or fp16; rows may be strided) in place, with
     cos and sin ([T, head_dim / 2], contiguous) already in x's dtype; bit for bit torch's
     `cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin))`."""
     _kernels().rotary_in_place(x, cos, sin)

@@ -97,10 +97,13 @@ at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor
 }
 
 // Rotary embedding (neox style: the first half of a head rotates with the second half) in place, over `heads`
-// heads of each row, for bfloat16 and float16. Every product and sum is rounded to the dtype as torch's separate
-// ops round them (a product of two bf16 or fp16 values is exact in float32), so the result is the torch
-// expression's bit for bit, in one pass instead of seven ops. Float32 stays on torch: there the fused multiply-adds
-// that -ffast-math allows would round differently.
+// heads of each row, for float32, bfloat16 and float16. Every product and sum is rounded to the dtype as torch's
+// separate ops round them (a product of two bf16 or fp16 values is exact in float32), so the result is the torch
+// expression's bit for bit, in one pass instead of seven ops. Float32's products are rounded before they are added
+// only without contraction: -ffast-math's fused multiply-adds would round each sum once, so not here (a pragma: the
+// loop is a lambda, which a function attribute would not reach).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 template <typename scalar_t>
 static void rotary_kernel(scalar_t* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                           const scalar_t* cos, const scalar_t* sin) {
@@ -127,6 +130,7 @@ static void rotary_kernel(scalar_t* x, int64_t rows, int64_t row_stride, int64_t
     }
   });
 }
+#pragma GCC pop_options
 
 #ifdef CONVEYOR_AVX512_BF16
 // rotary_kernel for bf16, 16 lanes at a time (head_dim / 2 a multiple of 16).
@@ -182,7 +186,7 @@ void rotary_in_place(at::Tensor x, at::Tensor cos, at::Tensor sin) {
     return;
   }
 #endif
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "rotary_in_place", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_in_place", [&] {
     rotary_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.stride(0), x.size(1), x.size(2),
                             cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
   });

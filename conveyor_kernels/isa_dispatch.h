@@ -1,5 +1,5 @@
 // The run-time choice of instruction set for the C++ kernels that compile a body per set (quantized_matmul.cpp,
-// kv_int8_decode.cpp): the widest this CPU runs, and a requested one checked against it; and AVX-512 BF16 and
+// vector_decode.cpp): the widest this CPU runs, and a requested one checked against it; and AVX-512 BF16 and
 // VNNI, which only the quantized matmul's bf16 and int8-activation paths use. CONVEYOR_CPU_ISA=avx2 (or portable)
 // caps all of them below what the CPU runs, so that an AVX-512 machine can stand in for an AVX2-only one
 // (conveyor_kernels/cpu_kernels.py's cpu_isa_cap reads the same variable for the -march of the other kernels).

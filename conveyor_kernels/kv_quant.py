@@ -12,7 +12,7 @@ int8: rounded to nearest (ties to even), symmetric over [-127, 127]. fp8 e4m3: t
 float8_e4m3fn (round to nearest, |x| <= 448). An all-zero row gets scale 0 and dequantizes to zeros. The portable
 C++ decode attention (cpu_decode_attention.cpp, `widen_row<int8_t>`), the C++ prefill attention (to bf16, as
 `dequantize(rows, torch.bfloat16)`) and the Triton kernels (`load_kv_tile`, `write_kv_cache`) dequantize / quantize
-exactly as this module does (value x scale in float32); the AVX-512 / AVX2 decode attention (kv_int8_decode.cpp)
+exactly as this module does (value x scale in float32); the AVX-512 / AVX2 decode attention (vector_decode.cpp)
 multiplies a row's dot product with the query by its K scale and a probability by its V scale instead, the same
 sums of int8 x scale products up to float32 rounding order.
 """

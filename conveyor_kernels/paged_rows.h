@@ -1,5 +1,5 @@
 // Where a sequence's positions sit in a paged KV cache, for the CPU decode attention kernels (the bf16 one,
-// cpu_decode_attention.cpp, and the int8 cache's body, kv_int8_decode_body.h). Integer code only, included before
+// cpu_decode_attention.cpp, and the int8 and float32 caches' body, vector_decode_body.h). Integer code only, included before
 // any target pragma: one copy serves every instruction-set build.
 #pragma once
 #include <algorithm>

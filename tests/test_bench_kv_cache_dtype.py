@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.kv_cache_dtype import print_attention_table
-from conveyor_kernels.cpu_kernels import int8_decode_paths, load_cpu_kernels
+from conveyor_kernels.cpu_kernels import load_cpu_kernels, vector_decode_paths
 
 
 @pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")
@@ -17,5 +17,5 @@ def test_the_attention_table_has_a_row_per_cache_and_path(capsys):
     args = argparse.Namespace(attention_seqs=3, attention_len=37, attention_rounds=2, seed=0)
     print_attention_table(6, 2, 64, torch.bfloat16, args)
     printed = capsys.readouterr().out
-    names = ["float32", "bfloat16"] + [f"int8, {path}" for path in int8_decode_paths(64, torch.bfloat16)]
+    names = ["float32", "bfloat16"] + [f"int8, {path}" for path in vector_decode_paths(64, torch.bfloat16, torch.int8)]
     assert all(f"| {name} " in printed for name in names), printed

@@ -45,9 +45,11 @@ from conveyor_kernels.rotary import apply_rotary as apply_rotary_in_place
 
 # Which kernels the layers use: plain torch, the C++ CPU kernels, or Triton (the CUDA path).
 LayerKernels = Literal["torch", "cpu", "triton"]
-# The dtypes whose rotary and SwiGLU activation the C++ kernels compute, rounding as the torch ops do; float32
-# keeps the torch ops (the oracle dtype, where a fused multiply-add would round differently).
-_CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# The dtypes whose rotary the C++ kernel computes, rounding as the torch ops do (float32 too: bit for bit the oracle's
+# expression), and whose SwiGLU activation it computes; float32 keeps torch's silu, whose exp the kernel's would
+# differ from in the last bit.
+_CPU_ROTARY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CPU_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class RMSNorm(nn.Module):
@@ -149,7 +151,7 @@ class RopeStep:
     """One step's rotary inputs, prepared once and used by every layer. The torch path indexes the
     tables once per step (cos/sin rounded to the activations' dtype, as HF does); the Triton kernel
     reads the float32 tables by position itself. With `in_place` the C++ CPU kernel rotates q and k
-    where they lie, rounding as the torch path does (bf16 and fp16 only)."""
+    where they lie, rounding as the torch path does."""
 
     positions: torch.Tensor  # [T]
     cos_table: torch.Tensor  # [max_position, head_dim / 2] float32
@@ -213,7 +215,7 @@ class RotaryEmbedding(nn.Module):
             return RopeStep(positions, self.cos, self.sin, None, None)
         else:
             cos, sin = self.cos[positions], self.sin[positions]
-        in_place = self.kernels == "cpu" and dtype in _CPU_KERNEL_DTYPES
+        in_place = self.kernels == "cpu" and dtype in _CPU_ROTARY_DTYPES
         return RopeStep(positions, self.cos, self.sin, cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype), in_place)
 
 
@@ -287,7 +289,7 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.kernels == "triton" and not self.gelu:
             return self.down_proj(silu_and_mul(gate_up))
-        if self.kernels == "cpu" and not self.gelu and gate_up.dtype in _CPU_KERNEL_DTYPES:
+        if self.kernels == "cpu" and not self.gelu and gate_up.dtype in _CPU_ACTIVATION_DTYPES:
             return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)

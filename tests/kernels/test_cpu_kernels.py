@@ -140,7 +140,7 @@ def test_rms_norm_matches_the_torch_expression(dtype, rows, with_residual):
     torch.testing.assert_close(out, F.rms_norm(summed, (576,), weight, 1e-5), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128)])
 def test_rotary_in_place_is_the_torch_expression_bit_for_bit(dtype, rows, num_heads, num_kv_heads, head_dim):

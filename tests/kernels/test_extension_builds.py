@@ -27,7 +27,7 @@ def test_build_digest_changes_with_any_header_the_sources_include(tmp_path: Path
 
 def test_every_cpp_file_in_kernels_is_in_exactly_one_extension() -> None:
     extensions = [
-        cpu_kernels._SOURCES, cpu_kernels._INT8_DECODE_SOURCES, quantized_matmul._SOURCES, [lora._CPU_SOURCE],
+        cpu_kernels._SOURCES, cpu_kernels._VECTOR_DECODE_SOURCES, quantized_matmul._SOURCES, [lora._CPU_SOURCE],
     ]
     listed = [source.name for sources in extensions for source in sources]
     on_disk = sorted(path.name for path in Path(cpu_kernels.__file__).parent.glob("*.cpp"))

@@ -1,6 +1,7 @@
-"""The int8 KV cache's rows (conveyor_kernels/kv_quant.py) and the C++ decode attention reading them: the kernel against
-`paged_attention_reference` over the same int8 cache (which dequantizes the blocks it gathers), at odd shapes
-(block size 5, head_dim 72, GQA 3, ragged lengths, a window, soft-capping)."""
+"""The int8 KV cache's rows (conveyor_kernels/kv_quant.py) and the C++ decode attention reading them (and float32
+caches, which its vector kernels read too): every path against `paged_attention_reference` over the same cache (which
+dequantizes the int8 blocks it gathers), at odd shapes (block size 5, head_dim 72, GQA 3, ragged lengths, a window,
+soft-capping)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import pytest
 import torch
 
 from conveyor_kernels import kv_quant
-from conveyor_kernels.cpu_kernels import int8_decode_paths, load_cpu_kernels, load_int8_decode_kernels, paged_decode_attention
+from conveyor_kernels.cpu_kernels import (
+    load_cpu_kernels,
+    load_vector_decode_kernels,
+    paged_decode_attention,
+    vector_decode_paths,
+)
 from conveyor_kernels.paged_attention import paged_attention_reference
 from conveyor_kernels.triton_utils import interpreter_enabled
 
@@ -27,23 +33,29 @@ def test_rows_round_trip_within_half_a_step(dtype):
     assert (kv_quant.dequantize(kv_quant.quantize(torch.zeros(2, 72), dtype), torch.float32) == 0).all()
 
 
-def _int8_paged_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, generator):
+def _int8_paged_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, generator,
+                      cache_dtype: torch.dtype = torch.int8):
+    """Rows of very different magnitudes, so a wrong row's scale shows: int8 rows, or with `cache_dtype` float32 the
+    rows themselves."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    # Rows of very different magnitudes, so a wrong row's scale shows.
     magnitude = torch.rand(num_blocks, block_size, num_kv_heads, 1, generator=generator) * 4 + 0.05
-    k = kv_quant.quantize(torch.randn(shape, generator=generator) * magnitude, torch.int8)
-    v = kv_quant.quantize(torch.randn(shape, generator=generator) * magnitude, torch.int8)
-    return k, v
+    k, v = (torch.randn(shape, generator=generator) * magnitude for _ in range(2))
+    if cache_dtype == torch.float32:
+        return k, v
+    return kv_quant.quantize(k, torch.int8), kv_quant.quantize(v, torch.int8)
 
 
 @pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("cache_dtype", "dtype"), [(torch.int8, torch.float32), (torch.int8, torch.bfloat16), (torch.float32, torch.float32)]
+)
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 72, 5), (4, 4, 64, 5), (8, 2, 128, 5), (9, 3, 64, 16), (12, 3, 128, 16)],
 )
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (11, 30.0)])
-def test_int8_decode_attention_matches_the_reference(dtype, num_heads, num_kv_heads, head_dim, block_size, window, softcap):
+def test_decode_attention_matches_the_reference(cache_dtype, dtype, num_heads, num_kv_heads, head_dim, block_size, window,
+                                                softcap):
     """Every path this CPU runs (AVX-512, AVX2, portable; head_dim 72 has only the portable one), forced by name, on
     contexts shorter and longer than the vector kernels' spans (16-64 positions) and not multiples of them or of the
     block size."""
@@ -51,7 +63,7 @@ def test_int8_decode_attention_matches_the_reference(dtype, num_heads, num_kv_he
     seq_lens = [1, 4, 5, 6, 23, 61, 64, 97, 150]
     max_blocks = -(-max(seq_lens) // block_size)
     num_blocks = len(seq_lens) * max_blocks + 2
-    k_cache, v_cache = _int8_paged_cache(num_blocks, block_size, num_kv_heads, head_dim, generator)
+    k_cache, v_cache = _int8_paged_cache(num_blocks, block_size, num_kv_heads, head_dim, generator, cache_dtype)
     block_tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
     block_tables = block_tables.view(len(seq_lens), max_blocks).int()
     if window is not None:  # blocks wholly before the window: freed, as the block manager leaves them
@@ -61,20 +73,20 @@ def test_int8_decode_attention_matches_the_reference(dtype, num_heads, num_kv_he
     query = fused[:, :num_heads]  # a strided slice of a fused projection, as the model hands it over
     scale = head_dim**-0.5
 
-    # The reference in float32 from the same int8 cache: the kernels dequantize and accumulate in float32 too.
+    # The reference in float32 from the same cache: the kernels dequantize and accumulate in float32 too.
     expected = paged_attention_reference(
         query.float(), k_cache, v_cache, list(range(len(seq_lens) + 1)), seq_lens, block_tables, scale,
         window=window, softcap=softcap,
     )
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
-    paths = int8_decode_paths(head_dim, dtype)
-    assert paths[0] == "portable" and (head_dim == 72 or paths[-1] == load_int8_decode_kernels().best_isa())
+    paths = vector_decode_paths(head_dim, dtype, cache_dtype)
+    assert paths[0] == "portable" and (head_dim == 72 or paths[-1] == load_vector_decode_kernels().best_isa())
     for path in paths:
         # Rows of `out` that are no decode row's stay untouched.
         out = torch.full((len(seq_lens) + 1, num_heads, head_dim), float("nan"), dtype=dtype)
         paged_decode_attention(
             query, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32),
-            torch.arange(len(seq_lens)), scale, out, window=window, softcap=softcap, int8_path=path,
+            torch.arange(len(seq_lens)), scale, out, window=window, softcap=softcap, path=path,
         )
         torch.testing.assert_close(out[:-1].float(), expected, atol=tolerance, rtol=tolerance, msg=path)
         assert out[-1].isnan().all(), path
@@ -96,24 +108,25 @@ def test_int8_decode_attention_of_many_sequences_in_any_order():
     expected = paged_attention_reference(
         query[rows].float(), k_cache, v_cache, list(range(len(seq_lens) + 1)), seq_lens, block_tables, head_dim**-0.5
     )
-    for path in int8_decode_paths(head_dim, torch.bfloat16):
+    for path in vector_decode_paths(head_dim, torch.bfloat16, torch.int8):
         out = torch.full_like(query, float("nan"))
         paged_decode_attention(
             query, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), rows, head_dim**-0.5,
-            out, int8_path=path,
+            out, path=path,
         )
         torch.testing.assert_close(out[rows].float(), expected, atol=2e-2, rtol=2e-2, msg=path)
 
 
 @pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")
-def test_an_int8_path_the_call_cannot_take_is_refused():
+def test_a_path_the_call_cannot_take_is_refused():
     k_cache, v_cache = _int8_paged_cache(2, 4, 1, 72, torch.Generator().manual_seed(0))
     query, out = torch.randn(1, 2, 72), torch.empty(1, 2, 72)
     args = (torch.zeros(1, 2, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), torch.arange(1), 0.1, out)
-    with pytest.raises(ValueError, match="no avx2 int8 decode attention here for head_dim 72"):
-        paged_decode_attention(query, k_cache, v_cache, *args, int8_path="avx2")
-    with pytest.raises(ValueError, match="for int8 caches"):
-        paged_decode_attention(query, query[None], query[None], *args, int8_path="portable")
+    with pytest.raises(ValueError, match="no avx2 decode attention here for head_dim 72"):
+        paged_decode_attention(query, k_cache, v_cache, *args, path="avx2")
+    cache = torch.randn(2, 4, 1, 64).half()  # fp16: the portable kernel only
+    with pytest.raises(ValueError, match="no avx2 decode attention here for head_dim 64, torch.float16 queries"):
+        paged_decode_attention(cache[0, :1], cache, cache, *args[:4], torch.empty(1, 1, 64).half(), path="avx2")
 
 
 def _fp8_paged(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, device: str, generator):

@@ -1,12 +1,12 @@
-// The int8 cache's decode attention body (kv_int8_decode_body.h) for AVX2 + FMA: 8 float lanes, and the vector
-// helpers the body calls for them. kv_int8_decode.h, which includes everything the body uses, comes first, outside
+// The vector decode attention body (vector_decode_body.h) for AVX2 + FMA: 8 float lanes, and the vector
+// helpers the body calls for them. vector_decode.h, which includes everything the body uses, comes first, outside
 // the target pragma (see there).
-#include "kv_int8_decode.h"
+#include "vector_decode.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-namespace kv_int8_decode::isa_avx2 {
+namespace vector_decode::isa_avx2 {
 using vec = __m256;
 constexpr int64_t W = 8;
 static inline vec load(const float* p) { return _mm256_loadu_ps(p); }
@@ -52,7 +52,7 @@ static inline vec sum_lanes(const vec* v) {
   const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // [v0..v3 low | v0..v3 high], v4..v7
   return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
-#include "kv_int8_decode_body.h"
-}  // namespace kv_int8_decode::isa_avx2
+#include "vector_decode_body.h"
+}  // namespace vector_decode::isa_avx2
 #pragma GCC pop_options
 #endif

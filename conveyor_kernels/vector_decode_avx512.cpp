@@ -1,13 +1,13 @@
-// The int8 cache's decode attention body (kv_int8_decode_body.h) for AVX-512: 16 float lanes, and the vector
-// helpers the body calls for them. kv_int8_decode.h, which includes everything the body uses, comes first, outside
+// The vector decode attention body (vector_decode_body.h) for AVX-512: 16 float lanes, and the vector
+// helpers the body calls for them. vector_decode.h, which includes everything the body uses, comes first, outside
 // the target pragma (see there).
-#include "kv_int8_decode.h"
+#include "vector_decode.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
 #include "avx512_math.h"  // exp2_ps, sum_lanes_16 (the CPU kernels' too)
-namespace kv_int8_decode::isa_avx512 {
+namespace vector_decode::isa_avx512 {
 using vec = __m512;
 constexpr int64_t W = 16;
 static inline vec load(const float* p) { return _mm512_loadu_ps(p); }
@@ -25,7 +25,7 @@ static inline vec load_int8(const int8_t* p) {
 }
 static inline vec exp2(vec x) { return exp2_ps(x); }
 static inline vec sum_lanes(const vec* v) { return sum_lanes_16(v); }
-#include "kv_int8_decode_body.h"
-}  // namespace kv_int8_decode::isa_avx512
+#include "vector_decode_body.h"
+}  // namespace vector_decode::isa_avx512
 #pragma GCC pop_options
 #endif
