@@ -241,9 +241,11 @@ at::Tensor int8_rows(const at::Tensor& quants, const at::Tensor& scales, const a
 at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& mins,
                        int64_t kind, int64_t group, int64_t rows, const std::string& isa_choice) {
   const Format format = format_of(kind, group);
-  TORCH_CHECK((x.dtype() == at::kFloat || x.dtype() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
-              "x must be contiguous float32 or bf16 [tokens, columns]");
-  const int64_t tokens = x.size(0), columns = x.size(1), tiles = (rows + kTileRows - 1) / kTileRows;
+  TORCH_CHECK((x.dtype() == at::kFloat || x.dtype() == at::kBFloat16) && x.dim() >= 1,
+              "x must be float32 or bf16 [..., columns]");
+  // Here rather than in the caller: each of these is a dispatched op from Python, ~1-3 us, four times a layer.
+  const at::Tensor tokens_x = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t tokens = tokens_x.size(0), columns = tokens_x.size(1), tiles = (rows + kTileRows - 1) / kTileRows;
   const int64_t subs = columns / quantized_matmul::int8_sub_block(format.kind);
   TORCH_CHECK(columns % quantized_matmul::kActivationBlock == 0 && quants.dtype() == at::kByte &&
               quants.is_contiguous() && quants.dim() == 2 && quants.size(0) == tiles &&
@@ -257,8 +259,8 @@ at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::
   auto x_scales = at::empty({tokens, blocks}, at::kFloat);
   auto x_sums16 = at::empty({tokens, 2 * blocks}, at::kFloat), x_sums32 = at::empty({tokens, blocks}, at::kFloat);
   const bool bf16 = x.dtype() == at::kBFloat16;
-  const float* x32 = bf16 ? nullptr : x.data_ptr<float>();
-  const uint16_t* x16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  const float* x32 = bf16 ? nullptr : tokens_x.data_ptr<float>();
+  const uint16_t* x16 = bf16 ? reinterpret_cast<const uint16_t*>(tokens_x.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, tokens, 16, [&](int64_t first, int64_t last) {
     kernels.quantize_activations(x32 ? x32 + first * columns : nullptr, x16 ? x16 + first * columns : nullptr,
                                  last - first, columns, x_quants.data_ptr<int8_t>() + first * columns,
@@ -268,7 +270,9 @@ at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::
   });
   const quantized_matmul::Int8Activations activations{x_quants.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
                                                       x_sums16.data_ptr<float>(), x_sums32.data_ptr<float>(), tokens};
-  auto out = at::empty({tokens, rows}, at::kFloat);
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.back() = rows;
+  auto out = at::empty(out_sizes, at::kFloat);
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
     kernels.matmul_tiles(format, activations, quants.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                          mins.data_ptr<float>(), columns, first, last, rows, out.data_ptr<float>());

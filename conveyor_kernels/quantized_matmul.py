@@ -146,8 +146,8 @@ def pack_int8(weight: torch.Tensor, format_id: int, group: int, columns: int) ->
 
 
 def matmul_int8(x: torch.Tensor, weight: Int8Weight, isa: Isa = "auto") -> torch.Tensor:
-    """x [tokens, columns] float32 or bf16, quantized to int8 by `quantize_activations_reference`'s rule, @ the
-    dequantized weight.T -> [tokens, rows] float32, with integer dot products on the weight's quants (see
+    """x [..., columns] float32 or bf16 (any strides), quantized to int8 by `quantize_activations_reference`'s rule,
+    @ the dequantized weight.T -> [..., rows] float32, with integer dot products on the weight's quants (see
     quantized_matmul_int8.h). Equals `matmul_int8_reference` up to float32 summation order."""
     return load_quantized_kernels().matmul_int8(x, weight.quants, weight.scales, weight.mins, weight.format_id,
                                                 weight.group, weight.rows, isa)
@@ -218,10 +218,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, format_id: int, g
     multiply the weights rounded to bf16 where the CPU has AVX-512 BF16; without it the kernel's steps multiply the
     float32 weights (x converted to float32) and only the large steps the bf16-rounded ones. float32 runs: float32
     weights throughout."""
+    if isinstance(weight, Int8Weight):  # four calls a layer each step: no Python op they do not need
+        out = matmul_int8(x, weight)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
     tokens = x.reshape(-1, columns)
-    if isinstance(weight, Int8Weight):
-        out = matmul_int8(tokens.contiguous(), weight).to(x.dtype)
-    elif tokens.shape[0] > DEQUANTIZE_ABOVE_TOKENS:
+    if tokens.shape[0] > DEQUANTIZE_ABOVE_TOKENS:
         out = torch.nn.functional.linear(tokens, dequantize(weight, format_id, group, columns).to(x.dtype))
     else:
         tokens = tokens if tokens.dtype == torch.bfloat16 else tokens.float()

@@ -90,8 +90,10 @@ void decode(const q_t* query, int64_t query_row_stride, int64_t query_head_strid
                 __builtin_prefetch(k_at + byte, 0, 2);
                 __builtin_prefetch(v_at + byte, 0, 2);
               }
-              __builtin_prefetch(k_at + kRowBytes - 1, 0, 2);  // the row's end (an int8 row's scale) on another line
-              __builtin_prefetch(v_at + kRowBytes - 1, 0, 2);
+              if constexpr (kRowBytes % 64 != 0) {  // the row's end (an int8 row's scale) on another line
+                __builtin_prefetch(k_at + kRowBytes - 1, 0, 2);
+                __builtin_prefetch(v_at + kRowBytes - 1, 0, 2);
+              }
             }
           };
           prefetch_step(0);

@@ -131,10 +131,15 @@ class GGUFLinearMethod:
         return quantized_matmul.dequantize_rows(piece.weight, ids, piece.format_id, 0, layer.in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        outputs = [
-            F.linear(x, piece.weight) if piece.format_id is None
-            else quantized_matmul.linear(x, piece.weight, piece.format_id, 0, layer.in_features)
-            for piece in layer.gguf_pieces
-        ]
-        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        pieces = layer.gguf_pieces
+        if len(pieces) == 1:  # the usual case, four times a layer each step: no list, no concatenation
+            y = self._product(pieces[0], x, layer.in_features)
+        else:
+            y = torch.cat([self._product(piece, x, layer.in_features) for piece in pieces], dim=-1)
         return y if layer.bias is None else y + layer.bias
+
+    @staticmethod
+    def _product(piece: _Piece, x: torch.Tensor, columns: int) -> torch.Tensor:
+        if piece.format_id is None:
+            return F.linear(x, piece.weight)
+        return quantized_matmul.linear(x, piece.weight, piece.format_id, 0, columns)
