@@ -9,10 +9,13 @@ requests go to its OpenAI-compatible `/v1/completions` concurrently, as token-id
 tokens), `temperature` 0, `ignore_eos`. conveyor is the offline `LLM` in this process on the same file, its default
 CPU dtype, the file's blocks kept quantized; with `--quantized-activations int8` its matmuls quantize the
 activations to int8 per token (blocks of 32) and multiply with integer dot products, as llama.cpp does. Generated
-tokens are counted from both sides' responses (llama.cpp's `usage.completion_tokens`). Each side gets one warm-up
-request first; then `--repeats` workloads (fresh prompts each, so neither side's prefix cache serves one from the
-last) alternate between the sides, both alive at once, and tok/s is over all of them (a busy machine's drift hits
-both). Two sanity columns compare the texts (greedy on the same file, the two part only where their arithmetic
+tokens are counted from both sides' responses (llama.cpp's `usage.completion_tokens`). Each side first runs one
+untimed warm-up workload of the same shape (prompts of its own), so that both are measured at steady state, as a
+long-running server runs. conveyor's first workload after start ran at 0.8-0.94x the tok/s of the ones after it on
+the AVX2-only EPYC: its CPU KV pool is lazily zeroed memory whose pages a first use touches, and allocators and
+caches warm; llama-server allocates and clears its KV cache before it answers. Then `--repeats` workloads (fresh prompts each, so neither side's prefix cache serves one
+from the last) alternate between the sides, both alive at once, and tok/s is over all of them (a busy machine's
+drift hits both). Two sanity columns compare the texts (greedy on the same file, the two part only where their arithmetic
 does: llama.cpp quantizes activations to 8 bits for its dot products; conveyor computes in bf16 or float32, or with
 int8 activations in a like scheme whose sums are not llama.cpp's bit for bit): how many are equal whole, and the
 median over requests of the share of llama-server's text both have before their first difference.
@@ -191,7 +194,8 @@ def _wait_ready(process: subprocess.Popen, base: str, log: Path, timeout: float)
 @contextmanager
 def llama_server(args: argparse.Namespace, model: Path, threads: int,
                  workloads: list[list[BenchRequest]]) -> Iterator[Callable[[list[BenchRequest]], SideResult]]:
-    """A started, warmed-up llama-server on `model`; yields a function that runs one workload through it."""
+    """A started llama-server on `model`, its slots sized for `workloads`; yields a function that runs one workload
+    through it."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log") as log_file:
@@ -201,7 +205,6 @@ def llama_server(args: argparse.Namespace, model: Path, threads: int,
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
         try:
             _wait_ready(process, base, log, args.server_timeout)
-            _post(f"{base}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0.0})  # warm-up
 
             def run_workload(requests: list[BenchRequest]) -> SideResult:
                 with ThreadPoolExecutor(max_workers=len(requests)) as pool:
@@ -218,10 +221,9 @@ def llama_server(args: argparse.Namespace, model: Path, threads: int,
 
 
 def conveyor_runner(args: argparse.Namespace, model: Path) -> Callable[[list[BenchRequest]], SideResult]:
-    """The offline engine on `model`, warmed up; returns a function that runs one workload through it."""
+    """The offline engine on `model`; returns a function that runs one workload through it."""
     llm = LLM(model=str(model), device="cpu", max_num_seqs=args.max_num_seqs,
               quantized_activations=args.quantized_activations)
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
 
     def run_workload(requests: list[BenchRequest]) -> SideResult:
         params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
@@ -250,13 +252,15 @@ def run(args: argparse.Namespace) -> None:
     # A fresh workload each repeat, so that neither side's prefix / prompt cache serves a repeat from the last one.
     workloads = [make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab_size,
                                args.seed + repeat) for repeat in range(args.repeats)]
+    warmup = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab_size,
+                           args.seed + args.repeats)
     if args.quantized_activations == "int8":
         activations = f"int8 activations (per token, blocks of 32), quantized kernels' path {int8_path()}"
     else:
         dtype = dtype_name(resolve_dtype("auto", torch.device("cpu")))
         activations = f"{dtype} activations, quantized kernels' path {best_isa()}"
     print(f"CPU: {describe_machine('cpu')}; {threads} threads each side; conveyor: {activations}")
-    print(f"{args.num_requests} requests x {args.repeats} repeats (alternating sides), prompts "
+    print(f"{args.num_requests} requests x {args.repeats} repeats (alternating sides, after a warm-up workload), prompts "
           f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]} "
           f"(ignore_eos, greedy), max_num_seqs = --parallel = {args.max_num_seqs}", flush=True)
     rows = []
@@ -264,7 +268,8 @@ def run(args: argparse.Namespace) -> None:
         model = quantized_file(source, quant, quantize_binary)
         ours_runs, theirs_runs = [], []
         run_ours = conveyor_runner(args, model)
-        with llama_server(args, model, threads, workloads) as run_theirs:
+        with llama_server(args, model, threads, [warmup, *workloads]) as run_theirs:
+            run_ours(warmup), run_theirs(warmup)  # untimed: both sides at steady state
             for workload in workloads:
                 ours_runs.append(run_ours(workload))
                 theirs_runs.append(run_theirs(workload))
