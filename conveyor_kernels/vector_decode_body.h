@@ -33,7 +33,8 @@ void decode(const q_t* query, int64_t query_row_stride, int64_t query_head_strid
   constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
   constexpr int64_t kRow = kInt8 ? kDim + 4 : kDim;  // an int8 row: the values, then their float32 scale
   constexpr int64_t kRowBytes = kRow * static_cast<int64_t>(sizeof(cache_t));
-  // Positions per softmax step: a span's widened K and V (2 x kSpan x kDim floats, 16 KiB) stay within L1.
+  // Positions per softmax step: a span's K and V rows (widened, or a float32 cache's own: 2 x kSpan x kDim floats,
+  // 16 KiB) stay within L1 while the group's query heads read them (float32 spans of 64 and 128 measured slower).
   constexpr int64_t kSpan = kDim >= 128 ? 16 : 2048 / kDim, kPieces = kSpan / W;
   // p.v: accumulators for at most kPart vectors of a row at a time (the registers: 32 zmm, 16 ymm), in kSets
   // independent chains so that about 8 multiply-adds are in flight.
