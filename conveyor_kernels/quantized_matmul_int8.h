@@ -345,8 +345,10 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
 constexpr int kInt8Tokens = 4;
 
 // GCC reassociates each token's chain of vpaddw into a tree, which keeps all of a sub-block's products alive at once
-// and spills them to the stack; without tree reassociation the sums stay chains in registers.
-#define INT8_KEEP_CHAINS __attribute__((optimize("no-tree-reassoc")))
+// and spills them to the stack; without tree reassociation the sums stay chains in registers. The register-pressure
+// aware scheduling before allocation (off by default on x86) then halves the Q8_0 loop's stack moves (121 -> 61 in
+// the function): one matmul of 16 tokens 0.77x-0.96x the time, by format (Q4_K, Q4_1 most; the same sums).
+#define INT8_KEEP_CHAINS __attribute__((optimize("no-tree-reassoc", "schedule-insns", "sched-pressure")))
 
 constexpr int int8_pairs_per_widen(int largest) { return 32767 / (2 * (largest == 255 ? 128 : largest) * 127); }
 
