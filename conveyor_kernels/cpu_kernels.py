@@ -12,7 +12,7 @@ sequences of 400 positions in SmolLM2-135M's shape, two threads, 0.79 ms a layer
 values to float32 for p.v took 2.0, and a plain read of the K/V 0.56; an int8 cache, conveyor_kernels/kv_quant.py, and
 a float32 one go to `vector_decode.cpp`, a separate build with AVX-512 and AVX2 paths (`vector_decode_avx512.cpp`,
 `_avx2.cpp`) picked at run time (`load_vector_decode_kernels`; float32 in SmolLM2-135M's shape, 14 sequences of
-110 positions, one thread on the AVX2-only EPYC: 0.45x the portable kernel's time), else to the portable kernel
+110 positions, one thread on the AVX2-only EPYC: 0.52x the portable kernel's time), else to the portable kernel
 here, which dequantizes each row as it widens it);
 the RMSNorm fuses the residual add and the float32 statistics into one pass per row; the rotary embedding
 (in place, bit for bit the torch expression, float32 included), the K/V cache writes and, in bf16 and fp16, SwiGLU's
