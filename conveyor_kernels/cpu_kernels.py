@@ -134,17 +134,23 @@ def load_vector_decode_kernels() -> ModuleType | None:
         return None
 
 
+def vector_decode_reads(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the vector kernels have a body for `dtype` queries over a `cache_dtype` cache: float32 or bf16 queries
+    over an int8 cache, float32 queries over a float32 one."""
+    int8_cache = cache_dtype == torch.int8 and dtype in (torch.float32, torch.bfloat16)
+    return int8_cache or cache_dtype == dtype == torch.float32
+
+
 @cache  # asked by every layer of every step
 def vector_decode_paths(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[str, ...]:
     """The paths `paged_decode_attention` can take here for `dtype` queries over a `cache_dtype` cache, narrowest
     first: `portable` (the C++ kernels' own, any head_dim and dtype), then `avx2` and `avx512` for head_dim
-    32/64/128/256 on a CPU that runs them, with float32 or bf16 queries over an int8 cache or float32 queries over a
-    float32 one."""
+    32/64/128/256 on a CPU that runs them, where `vector_decode_reads` the pair (only then is the vector build
+    loaded: a bf16 cache never builds it)."""
+    if not vector_decode_reads(dtype, cache_dtype):
+        return ("portable",)
     kernels = load_vector_decode_kernels()
-    vector_pair = (cache_dtype == torch.int8 and dtype in (torch.float32, torch.bfloat16)) or (
-        cache_dtype == dtype == torch.float32
-    )
-    if kernels is None or not kernels.supports(head_dim) or not vector_pair:
+    if kernels is None or not kernels.supports(head_dim):
         return ("portable",)
     order = ("portable", "avx2", "avx512")
     return order[: order.index(kernels.best_isa()) + 1]

@@ -35,7 +35,7 @@ from engine.multimodal.registry import vision_kind_for
 from engine.quantization.linear_method import building_quantized
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
-from conveyor_kernels.cpu_kernels import load_cpu_kernels, load_vector_decode_kernels
+from conveyor_kernels.cpu_kernels import load_cpu_kernels, load_vector_decode_kernels, vector_decode_reads
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,8 @@ def _build_model(spec: ShardSpec, device: torch.device, group: TensorParallelGro
     use_cpu_kernels = (
         spec.kernel_backend == "torch" and config.cpu_kernels and device.type == "cpu" and load_cpu_kernels() is not None
     )
-    if use_cpu_kernels and (config.kv_cache_dtype == "int8" or spec.dtype == torch.float32):
+    cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, spec.dtype, spec.kernel_backend)
+    if use_cpu_kernels and vector_decode_reads(spec.dtype, cache_dtype):
         load_vector_decode_kernels()  # built (once per source version and CPU) at load, not in the first step
     if spec.kernel_backend == "triton":
         backend, kernels = TritonAttention(), "triton"

@@ -33,7 +33,7 @@ def test_rows_round_trip_within_half_a_step(dtype):
     assert (kv_quant.dequantize(kv_quant.quantize(torch.zeros(2, 72), dtype), torch.float32) == 0).all()
 
 
-def _int8_paged_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, generator,
+def _paged_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, generator,
                       cache_dtype: torch.dtype = torch.int8):
     """Rows of very different magnitudes, so a wrong row's scale shows: int8 rows, or with `cache_dtype` float32 the
     rows themselves."""
@@ -63,7 +63,7 @@ def test_decode_attention_matches_the_reference(cache_dtype, dtype, num_heads, n
     seq_lens = [1, 4, 5, 6, 23, 61, 64, 97, 150]
     max_blocks = -(-max(seq_lens) // block_size)
     num_blocks = len(seq_lens) * max_blocks + 2
-    k_cache, v_cache = _int8_paged_cache(num_blocks, block_size, num_kv_heads, head_dim, generator, cache_dtype)
+    k_cache, v_cache = _paged_cache(num_blocks, block_size, num_kv_heads, head_dim, generator, cache_dtype)
     block_tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
     block_tables = block_tables.view(len(seq_lens), max_blocks).int()
     if window is not None:  # blocks wholly before the window: freed, as the block manager leaves them
@@ -101,7 +101,7 @@ def test_int8_decode_attention_of_many_sequences_in_any_order():
     seq_lens = torch.randint(1, 200, (48,), generator=generator).tolist()
     max_blocks = -(-max(seq_lens) // block_size)
     num_blocks = len(seq_lens) * max_blocks
-    k_cache, v_cache = _int8_paged_cache(num_blocks, block_size, num_kv_heads, head_dim, generator)
+    k_cache, v_cache = _paged_cache(num_blocks, block_size, num_kv_heads, head_dim, generator)
     block_tables = torch.randperm(num_blocks, generator=generator).view(len(seq_lens), max_blocks).int()
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).bfloat16()
     rows = torch.randperm(len(seq_lens), generator=generator)  # sequence i's query is row rows[i]
@@ -119,7 +119,7 @@ def test_int8_decode_attention_of_many_sequences_in_any_order():
 
 @pytest.mark.skipif("load_cpu_kernels() is None", reason="the C++ CPU kernels could not be built here")
 def test_a_path_the_call_cannot_take_is_refused():
-    k_cache, v_cache = _int8_paged_cache(2, 4, 1, 72, torch.Generator().manual_seed(0))
+    k_cache, v_cache = _paged_cache(2, 4, 1, 72, torch.Generator().manual_seed(0))
     query, out = torch.randn(1, 2, 72), torch.empty(1, 2, 72)
     args = (torch.zeros(1, 2, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), torch.arange(1), 0.1, out)
     with pytest.raises(ValueError, match="no avx2 decode attention here for head_dim 72"):
