@@ -529,10 +529,19 @@ INT8_KEEP_CHAINS static void int8_tiles(const Int8Activations& x, const uint8_t*
       for (; t + kTokens <= x.tokens; t += kTokens)
         int8_micro<kTokens, kLargest, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows,
                                                          tile_rows);
-      for (; kTokens > 4 && t + 4 <= x.tokens; t += 4)
-        int8_micro<4, kLargest, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
-      for (; t < x.tokens; ++t)
-        int8_micro<1, kLargest, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows, tile_rows);
+      // The rest in one pass (two on VNNI's 8): a pass of 2 or 3 tokens reads the chunk's quants once where one
+      // token a pass read them as often as there are tokens (3 tokens of Q8_0 3072 x 576 on AVX2: 0.81x the time).
+      const auto pass = [&](auto tokens) __attribute__((always_inline)) {
+        int8_micro<decltype(tokens)::value, kLargest, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns,
+                                                                  out + n0, rows, tile_rows);
+        t += decltype(tokens)::value;
+      };
+      if (kTokens > 4 && t + 4 <= x.tokens) pass(std::integral_constant<int, 4>{});
+      switch (x.tokens - t) {
+        case 3: pass(std::integral_constant<int, 3>{}); break;
+        case 2: pass(std::integral_constant<int, 2>{}); break;
+        case 1: pass(std::integral_constant<int, 1>{}); break;
+      }
     }
   }
 }
