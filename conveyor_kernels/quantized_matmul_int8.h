@@ -276,13 +276,18 @@ static void pack_tile(const Format& format, const uint8_t* weight, int64_t row_b
   delete[] zeros;
 }
 
-// The line `ahead` bytes past `line`, into L1 (0: none). A tile's first pass reads each of its lines from memory
-// (a step streams the whole model's weights, more than L3 holds) while the later passes find them in L1: that
-// first pass, prefetching the lines two tiles on, overlaps their reads with its work. One matmul of 4 tokens over
-// SmolLM2's layer shapes (30 layers' weights in turn) took 0.84x-0.88x the time on the AVX2-only EPYC, 8 tokens
-// 0.94x, 16 tokens 0.97x-0.99x (Q8_0; Q5_0's half as many lines: no change).
+// The line `ahead` bytes past `line`, into L1. A tile's first pass reads each of its lines from memory (a step
+// streams the whole model's weights, more than L3 holds) while its later passes find them in L1: that first pass
+// (kPrefetch; the other passes are instantiated without it, where the distance's register spilled others: 1.06x the
+// time at 64 tokens) prefetches the lines two tiles on, which overlaps their reads with its work. One matmul over
+// SmolLM2's layer shapes, 30 layers' weights in turn, on the AVX2-only EPYC: Q8_0 0.86x-0.88x the time at 4 and 8
+// tokens, 0.94x at 16; Q4_1 0.90x and 0.94x. Above kPrefetchTokens a tile takes so many passes that the lines would
+// wait long in L1 beside the activations: none.
+constexpr int64_t kPrefetchTokens = 32;
+
+template <bool kPrefetch>
 static inline void int8_prefetch(const uint8_t* line, int64_t ahead) {
-  if (ahead != 0) __builtin_prefetch(line + ahead, 0, 3);
+  if constexpr (kPrefetch) __builtin_prefetch(line + ahead, 0, 3);
 }
 
 #ifdef INT8_VNNI
@@ -298,8 +303,8 @@ constexpr int kInt8Tokens = 8;  // tokens a pass: 8 int32 and 8 float32 accumula
 #define INT8_KEEP_CHAINS
 
 // out[t0 .. t0 + MT, 0 .. rows) for MT tokens and one tile's 16 rows (an int32 / float32 lane each), prefetching
-// `prefetch` bytes past each line it reads (int8_prefetch; the other paths' int8_micro the same).
-template <int MT, int kLargest, int kSub, bool kMin>
+// `prefetch` bytes past each line it reads where kPrefetch (int8_prefetch; the other paths' int8_micro the same).
+template <int MT, int kLargest, int kSub, bool kMin, bool kPrefetch>
 static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
                               int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
                               float* out, int64_t ldo, int64_t rows, int64_t prefetch) {
@@ -318,12 +323,12 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
     };
     if constexpr (kBits == 8) {
       for (int j = 0; j < kSub / 4; ++j) {
-        int8_prefetch(quants + (k0 / 4 + j) * 64, prefetch);
+        int8_prefetch<kPrefetch>(quants + (k0 / 4 + j) * 64, prefetch);
         multiply(_mm512_loadu_si512(quants + (k0 / 4 + j) * 64), k0 + 4 * j);
       }
     } else {
       for (int i = 0; i < kSub / 8; ++i) {
-        int8_prefetch(quants + (k0 / 8 + i) * 64, prefetch);
+        int8_prefetch<kPrefetch>(quants + (k0 / 8 + i) * 64, prefetch);
         const __m512i packed = _mm512_loadu_si512(quants + (k0 / 8 + i) * 64);
         multiply(_mm512_and_si512(packed, low_nibbles), k0 + 8 * i);
         multiply(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles), k0 + 8 * i + 4);
@@ -370,7 +375,7 @@ static inline __m256i int8_lane_mask(int64_t lanes) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-template <int MT, int kLargest, int kSub, bool kMin>
+template <int MT, int kLargest, int kSub, bool kMin, bool kPrefetch>
 INT8_KEEP_CHAINS static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset,
                                                int64_t s_begin, int64_t s_end, bool accumulate,
                                                const Int8Activations& x, int64_t t0, int64_t columns, float* out,
@@ -386,7 +391,6 @@ INT8_KEEP_CHAINS static inline void int8_micro(const uint8_t* quants, const floa
   for (int half = 0; half < 2 && rows > 8 * half; ++half) {
     // Whole halves load and store plainly: vmaskmovps stores are slow on AMD's cores.
     const bool whole = rows >= 8 * (half + 1);
-    const int64_t ahead = half == 0 ? prefetch : 0;  // the halves read the same lines
     const __m256i mask = int8_lane_mask(rows - 8 * half);
     __m256 acc[MT];
     for (int t = 0; t < MT; ++t) {
@@ -421,13 +425,13 @@ INT8_KEEP_CHAINS static inline void int8_micro(const uint8_t* quants, const floa
       if constexpr (kBits == 8) {
 #pragma GCC unroll 8
         for (int j = 0; j < kDwords; ++j) {
-          int8_prefetch(quants + (k0 / 4 + j) * 64, ahead);
+          if (half == 0) int8_prefetch<kPrefetch>(quants + (k0 / 4 + j) * 64, prefetch);  // both halves' line
           multiply(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + (k0 / 4 + j) * 64 + 32 * half)), j);
         }
       } else {
 #pragma GCC unroll 4
         for (int i = 0; i < kDwords / 2; ++i) {
-          int8_prefetch(quants + (k0 / 8 + i) * 64, ahead);
+          if (half == 0) int8_prefetch<kPrefetch>(quants + (k0 / 8 + i) * 64, prefetch);
           const __m256i packed =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + (k0 / 8 + i) * 64 + 32 * half));
           multiply(_mm256_and_si256(packed, low_nibbles), 2 * i);
@@ -473,7 +477,7 @@ constexpr int kInt8Tokens = 8;
 
 // The same for any instruction set, in plain vector arithmetic (GCC lowers it to the target's width): each dword's
 // four quants widened to int32 lanes and multiplied by the token's.
-template <int MT, int kLargest, int kSub, bool kMin>
+template <int MT, int kLargest, int kSub, bool kMin, bool kPrefetch>
 static inline void int8_micro(const uint8_t* quants, const float* d, const float* m, float offset, int64_t s_begin,
                               int64_t s_end, bool accumulate, const Int8Activations& x, int64_t t0, int64_t columns,
                               float* out, int64_t ldo, int64_t rows, int64_t prefetch) {
@@ -498,12 +502,12 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
     };
     if constexpr (kBits == 8) {
       for (int j = 0; j < kSub / 4; ++j) {
-        int8_prefetch(quants + (k0 / 4 + j) * 64, prefetch);
+        int8_prefetch<kPrefetch>(quants + (k0 / 4 + j) * 64, prefetch);
         multiply(int8_load_ints(quants + (k0 / 4 + j) * 64), k0 + 4 * j);
       }
     } else {
       for (int i = 0; i < kSub / 8; ++i) {
-        int8_prefetch(quants + (k0 / 8 + i) * 64, prefetch);
+        int8_prefetch<kPrefetch>(quants + (k0 / 8 + i) * 64, prefetch);
         const int8_vi packed = int8_load_ints(quants + (k0 / 8 + i) * 64);
         multiply(packed & 0x0F0F0F0F, k0 + 8 * i);
         multiply((packed >> 4) & 0x0F0F0F0F, k0 + 8 * i + 4);
@@ -547,15 +551,22 @@ INT8_KEEP_CHAINS static void int8_tiles(const Int8Activations& x, const uint8_t*
     for (int64_t s0 = 0; s0 < subs; s0 += chunk) {
       const int64_t s1 = s0 + chunk < subs ? s0 + chunk : subs;
       const bool accumulate = s0 > 0;
-      const int64_t ahead = tile + 2 < last_tile ? 2 * tile_bytes : 0;  // by the first pass only (int8_prefetch)
+      // by the first pass only, and only in steps of few tokens (int8_prefetch)
+      const int64_t ahead = x.tokens <= kPrefetchTokens && tile + 2 < last_tile ? 2 * tile_bytes : 0;
       int64_t t = 0;
-      for (; t + kTokens <= x.tokens; t += kTokens)
-        int8_micro<kTokens, kLargest, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0, rows,
-                                                         tile_rows, t == 0 ? ahead : 0);
-      // The rest in one pass or two (a pass of 3 tokens costs about what one of 4 does, three of 1 twice that)
+      for (; t + kTokens <= x.tokens; t += kTokens) {
+        if (t == 0 && ahead != 0)
+          int8_micro<kTokens, kLargest, kSub, kMin, true>(q, d, m, offset, s0, s1, accumulate, x, t, columns, out + n0,
+                                                          rows, tile_rows, ahead);
+        else
+          int8_micro<kTokens, kLargest, kSub, kMin, false>(q, d, m, offset, s0, s1, accumulate, x, t, columns,
+                                                           out + n0, rows, tile_rows, 0);
+      }
+      // The rest in one pass (two on VNNI's 8): a pass of 2 or 3 tokens reads the chunk's quants once where one
+      // token a pass read them as often as there are tokens (3 tokens of Q8_0 3072 x 576 on AVX2: 0.81x the time).
       const auto pass = [&](auto tokens) __attribute__((always_inline)) {
-        int8_micro<decltype(tokens)::value, kLargest, kSub, kMin>(q, d, m, offset, s0, s1, accumulate, x, t, columns,
-                                                                  out + n0, rows, tile_rows, t == 0 ? ahead : 0);
+        int8_micro<decltype(tokens)::value, kLargest, kSub, kMin, false>(q, d, m, offset, s0, s1, accumulate, x, t,
+                                                                         columns, out + n0, rows, tile_rows, 0);
         t += decltype(tokens)::value;
       };
       if (kTokens > 4 && t + 4 <= x.tokens) pass(std::integral_constant<int, 4>{});
