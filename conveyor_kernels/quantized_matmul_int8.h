@@ -551,7 +551,7 @@ INT8_KEEP_CHAINS static void int8_tiles(const Int8Activations& x, const uint8_t*
     for (int64_t s0 = 0; s0 < subs; s0 += chunk) {
       const int64_t s1 = s0 + chunk < subs ? s0 + chunk : subs;
       const bool accumulate = s0 > 0;
-      // by the first pass only, and only in steps of few tokens (int8_prefetch)
+      // by the first full pass only, in steps of few tokens (int8_prefetch; 1 token a step gained nothing from it)
       const int64_t ahead = x.tokens <= kPrefetchTokens && tile + 2 < last_tile ? 2 * tile_bytes : 0;
       int64_t t = 0;
       for (; t + kTokens <= x.tokens; t += kTokens) {
