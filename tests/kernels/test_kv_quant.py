@@ -34,7 +34,7 @@ def test_rows_round_trip_within_half_a_step(dtype):
 
 
 def _paged_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, generator,
-                      cache_dtype: torch.dtype = torch.int8):
+                 cache_dtype: torch.dtype = torch.int8):
     """Rows of very different magnitudes, so a wrong row's scale shows: int8 rows, or with `cache_dtype` float32 the
     rows themselves."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
