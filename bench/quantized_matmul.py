@@ -1,7 +1,7 @@
 """One projection's matmul at decode sizes on the CPU, bf16 activations, in one process: the quantized kernels'
 float32 path (bf16 x converted, the float32 weights, float32 FMAs), their avx512_bf16 path (the dequantized
 tile rounded to bf16, bf16 dot products) and their int8-activation path (`matmul_int8`: x quantized to int8, integer
-dot products on the blocks' quants, AVX-512 VNNI where the CPU has it) against oneDNN's bf16 matmul of the unquantized weight (prepacked, as the
+dot products on the blocks' quants: AMX tiles and, beside them, AVX-512 VNNI where the CPU has them) against oneDNN's bf16 matmul of the unquantized weight (prepacked, as the
 engine's bf16 models run it, and plain `F.linear`).
 
     python -m bench.quantized_matmul --shapes 1536x576 4096x2048 --tokens 1 4 16 --formats Q8_0 int8 Q4_1
@@ -76,9 +76,10 @@ def run(args: argparse.Namespace) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     paths = [quantized_matmul.best_isa()] + (["avx512_bf16"] if quantized_matmul.has_avx512_bf16() else [])
-    int8_path = quantized_matmul.int8_path()
+    # AMX's tiles beside the VNNI body they replace, where the CPU has both
+    int8_paths = [quantized_matmul.int8_path()] + (["avx512_vnni"] if quantized_matmul.int8_path() == "amx_int8" else [])
     print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; kernel paths: {', '.join(paths)}; "
-          f"int8 activations: {int8_path}")
+          f"int8 activations: {', '.join(int8_paths)}")
     generator = torch.Generator().manual_seed(0)
     table = []
     for shape in args.shapes:
@@ -103,9 +104,10 @@ def run(args: argparse.Namespace) -> None:
                     setups.append((f"{name}, {path} kernel",
                                    [lambda w=w, f=f, g=g, p=path: quantized_matmul.matmul(x, w, f, g, p)
                                     for w, f, g in layers], layers[0][0].nbytes))
-                setups.append((f"{name}, int8 activations, {int8_path}",
-                               [lambda w=w: quantized_matmul.matmul_int8(x, w) for w in packed_int8[name]],
-                               packed_int8[name][0].nbytes))
+                for int8_path in int8_paths:
+                    setups.append((f"{name}, int8 activations, {int8_path}",
+                                   [lambda w=w, p=int8_path: quantized_matmul.matmul_int8(x, w, p)
+                                    for w in packed_int8[name]], packed_int8[name][0].nbytes))
             per_matmul = [total / len(calls) for (_, calls, _), total in
                           zip(setups, _interleaved_median_ms([calls for _, calls, _ in setups], args.repeats))]
             for (label, _, nbytes), ms in zip(setups, per_matmul):

@@ -7,9 +7,9 @@
 
 #include <limits>
 
+#include "isa_dispatch.h"  // amx_permitted
+
 #ifdef CONVEYOR_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
 
 // Encoder (bidirectional) attention over packed sequences with AMX, for bfloat16 and head_dim 32. Per sequence:
 // one pass down its rows packs every head's Q, K and V into AMX's tile layouts; then per head, 32 query rows at a
@@ -192,17 +192,11 @@ static void layer_norm_rows(const uint16_t* x, const uint16_t* weight, const uin
   });
 }
 
-// Linux lends AMX's tile registers to a process only on request.
-static bool amx_permitted() {
-  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  static const bool permitted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return permitted;
-}
 #endif
 
 bool encoder_kernels_available() {
 #ifdef CONVEYOR_AMX
-  return amx_permitted();
+  return isa_dispatch::amx_permitted();
 #else
   return false;
 #endif

@@ -9,6 +9,11 @@
 #include <cstdlib>
 #include <string>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace isa_dispatch {
 
 enum class Isa { Portable, Avx2, Avx512 };
@@ -75,6 +80,29 @@ inline bool has_avx512_bf16() {
 inline bool has_avx512_vnni() {
 #if defined(__x86_64__) && defined(__GNUC__)
   return best_isa() == Isa::Avx512 && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+// AMX's tile registers, which Linux lends a process only on request (once a process; a hypervisor can refuse it
+// while the CPU flags still show AMX).
+inline bool amx_permitted() {
+#if defined(__x86_64__) && defined(__linux__)
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  static const bool permitted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return permitted;
+#else
+  return false;
+#endif
+}
+
+// AMX-INT8 (tdpbsud: a 16 x 64 tile of signed bytes by a 16 x 64 one of unsigned, int32 sums), which only the
+// quantized matmul's int8-activation path uses, beside the order like VNNI; every such CPU has AVX-512 VNNI too.
+inline bool has_amx_int8() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return has_avx512_vnni() && __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("amx-tile") &&
+         amx_permitted();
 #else
   return false;
 #endif

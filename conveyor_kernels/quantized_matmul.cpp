@@ -47,6 +47,7 @@ Format format_of(int64_t kind, int64_t group) {
 
 using isa_dispatch::Isa;
 using isa_dispatch::best_isa;
+using isa_dispatch::has_amx_int8;
 using isa_dispatch::has_avx512_bf16;
 using isa_dispatch::has_avx512_vnni;
 using isa_dispatch::isa_name;
@@ -72,13 +73,22 @@ const RowKernels& row_kernels(Isa isa) {
   }
 }
 
-// The int8-activation kernels of a path: "avx512_vnni" (vpdpbusd), "avx2" (vpmaddubsw; also what an AVX-512 CPU
-// without VNNI runs: faster there than a plain body compiled for AVX-512) or "portable"; "auto" the best this CPU
-// runs. A path this CPU cannot run, or "avx512" (no such int8 path), is refused.
+// The int8-activation kernels of a path: "amx_int8" (tdpbsud on AMX tiles, with VNNI's quantization and repack),
+// "avx512_vnni" (vpdpbusd), "avx2" (vpmaddubsw; also what an AVX-512 CPU without VNNI runs: faster there than a
+// plain body compiled for AVX-512) or "portable"; "auto" the best this CPU runs. A path this CPU cannot run, or
+// "avx512" (no such int8 path), is refused.
 const quantized_matmul::Int8Kernels& int8_kernels(const std::string& isa_choice) {
   TORCH_CHECK(isa_choice != "avx512" && isa_choice != "avx512_bf16",
-              "int8 activations' paths are auto, avx512_vnni, avx2 and portable; got ", isa_choice);
+              "int8 activations' paths are auto, amx_int8, avx512_vnni, avx2 and portable; got ", isa_choice);
 #if defined(__x86_64__) && defined(__GNUC__)
+  if (isa_choice == "amx_int8" || (isa_choice == "auto" && has_amx_int8())) {
+    TORCH_CHECK(has_amx_int8(), "this CPU cannot run the amx_int8 path (no AMX-INT8, or the kernel lends no AMX "
+                "tiles to this process; best: ", isa_name(best_isa()), ")");
+    static const quantized_matmul::Int8Kernels amx = {
+        quantized_matmul::isa_avx512_vnni::int8_kernels.quantize_activations,
+        quantized_matmul::isa_avx512_vnni::int8_kernels.pack_tile, &quantized_matmul::isa_amx_int8::matmul_tiles};
+    return amx;
+  }
   if (isa_choice == "avx512_vnni" || (isa_choice == "auto" && has_avx512_vnni())) {
     TORCH_CHECK(has_avx512_vnni(), "this CPU cannot run the avx512_vnni path (no AVX-512 VNNI; best: ",
                 isa_name(best_isa()), ")");
@@ -86,7 +96,7 @@ const quantized_matmul::Int8Kernels& int8_kernels(const std::string& isa_choice)
   }
   if (parse_isa(isa_choice) != Isa::Portable) return quantized_matmul::isa_avx2::int8_kernels;
 #else
-  TORCH_CHECK(isa_choice != "avx512_vnni", "the avx512_vnni path is x86-64 only");
+  TORCH_CHECK(isa_choice != "avx512_vnni" && isa_choice != "amx_int8", "the ", isa_choice, " path is x86-64 only");
   parse_isa(isa_choice);
 #endif
   return quantized_matmul::isa_portable::int8_kernels;
@@ -257,7 +267,9 @@ at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::
   const int64_t blocks = columns / quantized_matmul::kActivationBlock;
   auto x_quants = at::empty({tokens, columns}, at::kChar);
   auto x_scales = at::empty({tokens, blocks}, at::kFloat);
-  auto x_sums16 = at::empty({tokens, 2 * blocks}, at::kFloat), x_sums32 = at::empty({tokens, blocks}, at::kFloat);
+  auto x_scaled_sums16 = at::empty({tokens, 2 * blocks}, at::kFloat);
+  auto x_scaled_sums32 = at::empty({tokens, blocks}, at::kFloat);
+  auto x_sums16 = at::empty({tokens, 2 * blocks}, at::kInt), x_sums32 = at::empty({tokens, blocks}, at::kInt);
   const bool bf16 = x.dtype() == at::kBFloat16;
   const float* x32 = bf16 ? nullptr : tokens_x.data_ptr<float>();
   const uint16_t* x16 = bf16 ? reinterpret_cast<const uint16_t*>(tokens_x.data_ptr<at::BFloat16>()) : nullptr;
@@ -265,11 +277,14 @@ at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::
     kernels.quantize_activations(x32 ? x32 + first * columns : nullptr, x16 ? x16 + first * columns : nullptr,
                                  last - first, columns, x_quants.data_ptr<int8_t>() + first * columns,
                                  x_scales.data_ptr<float>() + first * blocks,
-                                 x_sums16.data_ptr<float>() + first * 2 * blocks,
-                                 x_sums32.data_ptr<float>() + first * blocks);
+                                 x_scaled_sums16.data_ptr<float>() + first * 2 * blocks,
+                                 x_scaled_sums32.data_ptr<float>() + first * blocks,
+                                 x_sums16.data_ptr<int32_t>() + first * 2 * blocks,
+                                 x_sums32.data_ptr<int32_t>() + first * blocks);
   });
-  const quantized_matmul::Int8Activations activations{x_quants.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
-                                                      x_sums16.data_ptr<float>(), x_sums32.data_ptr<float>(), tokens};
+  const quantized_matmul::Int8Activations activations{
+      x_quants.data_ptr<int8_t>(),       x_scales.data_ptr<float>(),         x_scaled_sums16.data_ptr<float>(),
+      x_scaled_sums32.data_ptr<float>(), x_sums16.data_ptr<int32_t>(), x_sums32.data_ptr<int32_t>(), tokens};
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = rows;
   auto out = at::empty(out_sizes, at::kFloat);
@@ -281,6 +296,7 @@ at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& quants, const at::
 }
 
 std::string int8_path() {
+  if (has_amx_int8()) return "amx_int8";
   return has_avx512_vnni() ? "avx512_vnni" : best_isa() == Isa::Portable ? "portable" : "avx2";
 }
 
@@ -292,7 +308,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int8", &pack_int8, "a quantized weight repacked for matmul_int8: quants, scales, mins");
   m.def("int8_rows", &int8_rows, "rows of a packed weight as float32: its dequantized values");
   m.def("matmul_int8", &matmul_int8, "int8-quantized x @ the packed weight's values.T, integer dot products");
-  m.def("int8_path", &int8_path, "the path matmul_int8's auto takes here: avx512_vnni, avx2 or portable");
+  m.def("int8_path", &int8_path, "the path matmul_int8's auto takes here: amx_int8, avx512_vnni, avx2 or portable");
   m.def("best_isa", &best_isa_name, "the widest instruction set this CPU runs: avx512, avx2 or portable");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs the avx512_bf16 path (bf16 x)");
 }

@@ -66,7 +66,7 @@ struct RowKernels {
 };
 
 // int8 activations (quantized_matmul_int8.h): a step's tokens quantized per block of kActivationBlock values to
-// int8 quants with a float32 scale; and each block's scale times its quants' sum, per 16 and per 32 values.
+// int8 quants with a float32 scale; and the sums of each 16 and 32 quants, as they are and times their block's scale.
 constexpr int64_t kActivationBlock = 32;
 
 struct Int8Activations {
@@ -74,6 +74,8 @@ struct Int8Activations {
   const float* scales;          // [tokens, columns / 32]
   const float* scaled_sums16;   // [tokens, columns / 16]: scale * sum of each 16 quants
   const float* scaled_sums32;   // [tokens, columns / 32]: scale * sum of each 32
+  const int32_t* sums16;        // [tokens, columns / 16]: the sums themselves
+  const int32_t* sums32;        // [tokens, columns / 32]
   int64_t tokens;
 };
 
@@ -111,7 +113,8 @@ inline int int8_bits(Kind kind) { return int8_bits_of(int8_largest_quant(kind));
 // x @ dequantize(tiles [first_tile, last_tile)).T, up to `rows` output rows.
 struct Int8Kernels {
   void (*quantize_activations)(const float* x32, const uint16_t* x16, int64_t tokens, int64_t columns,
-                               int8_t* quants, float* scales, float* scaled_sums16, float* scaled_sums32);
+                               int8_t* quants, float* scales, float* scaled_sums16, float* scaled_sums32,
+                               int32_t* sums16, int32_t* sums32);
   void (*pack_tile)(const Format& format, const uint8_t* weight, int64_t row_bytes, int64_t columns, int64_t rows,
                     uint8_t* quants, float* scales, float* mins);
   void (*matmul_tiles)(const Format& format, const Int8Activations& x, const uint8_t* quants, const float* scales,
@@ -124,6 +127,11 @@ namespace isa_avx512 { extern const RowKernels row_kernels; }  // quantized_matm
 namespace isa_avx2 { extern const RowKernels row_kernels; }  // quantized_matmul_avx2.cpp
 namespace isa_avx2 { extern const Int8Kernels int8_kernels; }
 namespace isa_avx512_vnni { extern const Int8Kernels int8_kernels; }  // quantized_matmul_avx512_vnni.cpp
+// quantized_matmul_amx.cpp: Int8Kernels' matmul_tiles on AMX tiles, for VNNI's activations and repack.
+namespace isa_amx_int8 {
+void matmul_tiles(const Format& format, const Int8Activations& x, const uint8_t* quants, const float* scales,
+                  const float* mins, int64_t columns, int64_t first_tile, int64_t last_tile, int64_t rows, float* out);
+}
 // quantized_matmul_avx512_bf16.cpp (quantized_matmul_bf16.h): out[:, begin:end] = x @ bf16(dequantize(weight)).T for
 // bf16 x (its bits), through `row` (columns floats) and `tile` (kTileRows * columns bf16 bits); CPUs with AVX-512 BF16.
 namespace isa_avx512_bf16 {

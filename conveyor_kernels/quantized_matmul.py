@@ -47,11 +47,13 @@ _SOURCES = [
     for name in (
         "quantized_matmul.cpp", "quantized_matmul_avx512.cpp", "quantized_matmul_avx2.cpp",
         "quantized_matmul_portable.cpp", "quantized_matmul_avx512_bf16.cpp", "quantized_matmul_avx512_vnni.cpp",
+        "quantized_matmul_amx.cpp",
     )
 ]
 
-# avx512_bf16: bf16 x only (matmul); avx512_vnni: matmul_int8 only, whose paths are auto, avx512_vnni, avx2, portable
-Isa = Literal["auto", "avx512_bf16", "avx512_vnni", "avx512", "avx2", "portable"]
+# avx512_bf16: bf16 x only (matmul); amx_int8 and avx512_vnni: matmul_int8 only, whose paths are auto, amx_int8,
+# avx512_vnni, avx2, portable
+Isa = Literal["auto", "avx512_bf16", "amx_int8", "avx512_vnni", "avx512", "avx2", "portable"]
 
 # Weight formats by name: (format id the C++ kernels know, values per block, bytes per block); for INT8 and INT4
 # the values per block are the group size, given with each call.
@@ -154,8 +156,8 @@ def matmul_int8(x: torch.Tensor, weight: Int8Weight, isa: Isa = "auto") -> torch
 
 
 def int8_path() -> str:
-    """The path `matmul_int8(isa="auto")` runs on this CPU: avx512_vnni (vpdpbusd), avx2 (vpmaddubsw: also on
-    AVX-512 CPUs without VNNI) or portable (plain C++)."""
+    """The path `matmul_int8(isa="auto")` runs on this CPU: amx_int8 (tdpbsud on AMX tiles, where the kernel lends
+    them), avx512_vnni (vpdpbusd), avx2 (vpmaddubsw: also on AVX-512 CPUs without VNNI) or portable (plain C++)."""
     return load_quantized_kernels().int8_path()
 
 

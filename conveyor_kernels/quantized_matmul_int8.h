@@ -23,9 +23,11 @@
 // Then per token and sub-block, one lane per row: S = sum(u * q) exactly in int32 (vpdpbusd: unsigned u by signed
 // q), and out += float(S) * (d * scale_x) + m * (scale_x * sum(q)), or d * (scale_x * float(S) - offset * scale_x *
 // sum(q)): four vector instructions a sub-block and token besides the dot products, their scalars read from memory.
-// The roundings are those float32 products and sums, where the two terms partly cancel: the result is the float64
-// product of the quantized x and the dequantized weights to about float32's precision of the terms' magnitudes, in
-// another order (quantized_matmul.py's matmul_int8_reference).
+// The VNNI body takes the offset off in integers instead, float(S - offset * sum(q)) * (d * scale_x), the operations
+// of the AMX path (quantized_matmul_amx.cpp), which hands it the steps of few tokens. The roundings are those
+// float32 products and sums, where the two terms partly cancel: the result is the float64 product of the quantized x
+// and the dequantized weights to about float32's precision of the terms' magnitudes, in another order
+// (quantized_matmul.py's matmul_int8_reference).
 
 typedef float int8_vf16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t int8_vi16 __attribute__((vector_size(64), aligned(4)));
@@ -128,7 +130,8 @@ static inline float int8_quantize_block(const float* x32, const uint16_t* x16, i
 #endif
 
 static void quantize_activations(const float* x32, const uint16_t* x16, int64_t tokens, int64_t columns,
-                                 int8_t* quants, float* scales, float* scaled_sums16, float* scaled_sums32) {
+                                 int8_t* quants, float* scales, float* scaled_sums16, float* scaled_sums32,
+                                 int32_t* sums16, int32_t* sums32) {
   const int64_t blocks = columns / kActivationBlock;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t b = 0; b < blocks; ++b) {
@@ -139,6 +142,9 @@ static void quantize_activations(const float* x32, const uint16_t* x16, int64_t 
       scaled_sums16[t * 2 * blocks + 2 * b] = scale * (float)halves[0];
       scaled_sums16[t * 2 * blocks + 2 * b + 1] = scale * (float)halves[1];
       scaled_sums32[t * blocks + b] = scale * (float)(halves[0] + halves[1]);
+      sums16[t * 2 * blocks + 2 * b] = halves[0];
+      sums16[t * 2 * blocks + 2 * b + 1] = halves[1];
+      sums32[t * blocks + b] = halves[0] + halves[1];
     }
   }
 }
@@ -312,6 +318,7 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
   constexpr int kBits = int8_bits_of(kLargest);
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const __mmask16 mask = (__mmask16)((1u << rows) - 1);
+  const int32_t zero_point = (int32_t)offset;
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = accumulate ? _mm512_maskz_loadu_ps(mask, out + (t0 + t) * ldo) : _mm512_setzero_ps();
   for (int64_t s = s_begin; s < s_end; ++s) {
@@ -336,17 +343,17 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
     }
     const __m512 ds = _mm512_loadu_ps(d + s * kTileRows);
     const float* scaled_sums = kSub == 32 ? x.scaled_sums32 + s : x.scaled_sums16 + s;
+    const int32_t* sums = kSub == 32 ? x.sums32 + s : x.sums16 + s;
     const int64_t xb = k0 / kActivationBlock, sums_per_token = columns / kSub;
     for (int t = 0; t < MT; ++t) {
       const __m512 scale = _mm512_set1_ps(x.scales[(t0 + t) * xblocks + xb]);
-      const __m512 scaled_sum = _mm512_set1_ps(scaled_sums[(t0 + t) * sums_per_token]);
       if constexpr (kMin) {
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(ds, scale), acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(m + s * kTileRows), scaled_sum, acc[t]);
-      } else {  // d * (scale * S - offset * scale * sum(q))
-        const __m512 shifted = _mm512_fnmadd_ps(_mm512_set1_ps(offset), scaled_sum,
-                                                _mm512_mul_ps(_mm512_cvtepi32_ps(dot[t]), scale));
-        acc[t] = _mm512_fmadd_ps(ds, shifted, acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(m + s * kTileRows), _mm512_set1_ps(scaled_sums[(t0 + t) * sums_per_token]),
+                                 acc[t]);
+      } else {  // the signed sum S - offset * sum(q), exactly, times d * scale: the AMX path's operations
+        const __m512i signed_dot = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(zero_point * sums[(t0 + t) * sums_per_token]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(signed_dot), _mm512_mul_ps(ds, scale), acc[t]);
       }
     }
   }

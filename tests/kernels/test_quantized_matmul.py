@@ -213,21 +213,22 @@ def _int8_formats(rows: int) -> list[tuple[str, int, int, int, torch.Tensor]]:
 
 
 def _int8_paths() -> list[str]:
-    return [p for p in _paths() if p != "avx512"] + (["avx512_vnni"] if quantized_matmul.int8_path() == "avx512_vnni" else [])
+    extra = {"amx_int8": ["avx512_vnni", "amx_int8"], "avx512_vnni": ["avx512_vnni"]}
+    return [p for p in _paths() if p != "avx512"] + extra.get(quantized_matmul.int8_path(), [])
 
 
 @pytest.mark.parametrize("case", _int8_formats(37), ids=lambda case: case[0])
 def test_int8_activations_match_the_quantized_product(case):
     """Against the float64 product of x's int8 quants times their scales and the dequantized weights
-    (matmul_int8_reference), on every path, 1, 6 and 15 tokens (every pass size: 8 or 4, then 4, 3, 2, 1), float32
-    and bf16 x. Every integer sum is exact, so the two differ by a few float32 roundings of each sub-block's term:
+    (matmul_int8_reference), on every path, 1, 6, 15 and 35 tokens (every pass size: 8 or 4, then 4, 3, 2, 1; AMX's
+    groups: fewer than 16, two of 16 and a rest), float32 and bf16 x. Every integer sum is exact, so the two differ by a few float32 roundings of each sub-block's term:
     1e-5 of the sum of the products' magnitudes. A quant rounded differently moves a term by a whole quant step
     (1/127 of its block's largest), far past that."""
     name, format_id, group, columns, weight = case
     dequantized = quantized_matmul.dequantize(weight, format_id, group, columns)
     packed = quantized_matmul.pack_int8(weight, format_id, group, columns)
     generator = torch.Generator().manual_seed(9)
-    for tokens, dtype in ((1, torch.float32), (6, torch.bfloat16), (15, torch.float32)):
+    for tokens, dtype in ((1, torch.float32), (6, torch.bfloat16), (15, torch.float32), (35, torch.bfloat16)):
         x = torch.randn(tokens, columns, generator=generator).to(dtype)
         quants, scales = quantized_matmul.quantize_activations_reference(x)
         magnitudes = (quants.abs().double().reshape(tokens, -1, 32) * scales.double()[..., None]).reshape(tokens, columns)
@@ -237,6 +238,20 @@ def test_int8_activations_match_the_quantized_product(case):
             got = quantized_matmul.matmul_int8(x, packed, isa)
             assert got.shape == (tokens, 37) and got.dtype == torch.float32
             assert ((got - expected).abs() <= bound).all(), (isa, tokens, (got - expected).abs().max())
+
+
+@pytest.mark.skipif(quantized_matmul.int8_path() != "amx_int8", reason="needs AMX-INT8 tiles the kernel lends")
+@pytest.mark.parametrize("case", _int8_formats(37), ids=lambda case: case[0])
+def test_amx_tokens_are_the_same_alone_and_batched(case):
+    """A token's outputs are the same bit for bit alone (a step that few goes to the VNNI body) and in a step of 35
+    tokens on AMX tiles (two groups of 16 under one tile configuration, the 3 left under another, their epilogue
+    passes of 2 and 1): both scale each token's exact sub-block sums with the same operations in one order."""
+    name, format_id, group, columns, weight = case
+    packed = quantized_matmul.pack_int8(weight, format_id, group, columns)
+    x = torch.randn(35, columns, generator=torch.Generator().manual_seed(10))
+    batched = quantized_matmul.matmul_int8(x, packed, "amx_int8")
+    for token in (0, 17, 34):
+        assert torch.equal(quantized_matmul.matmul_int8(x[token : token + 1], packed, "amx_int8")[0], batched[token])
 
 
 @pytest.mark.parametrize("case", _int8_formats(37), ids=lambda case: case[0])
@@ -296,7 +311,7 @@ def test_int8_activations_round_halves_to_even():
 def test_int8_activations_refuse_a_path_they_do_not_have():
     weight = quantize_rows(torch.randn(16, 32), 8, 32)
     packed = quantized_matmul.pack_int8(weight, quantized_matmul.INT8, 32, 32)
-    with pytest.raises(RuntimeError, match="paths are auto, avx512_vnni, avx2 and portable"):
+    with pytest.raises(RuntimeError, match="paths are auto, amx_int8, avx512_vnni, avx2 and portable"):
         quantized_matmul.matmul_int8(torch.randn(1, 32), packed, "avx512")
 
 
