@@ -80,6 +80,37 @@ static inline float int8_quantize_block(const float* x32, const uint16_t* x16, i
                       _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   return scale;
 }
+#elif defined(INT8_VNNI)
+// The same operations in AVX-512 registers: the generic code below ran about 90 cycles a block here (its lane loops
+// stay scalar), a tenth of a decode step's time at 16 tokens. Round to nearest even is the conversion's own mode.
+static inline __m512 int8_load_x16(const float* x32, const uint16_t* x16, int64_t at) {
+  if (x16 == nullptr) return _mm512_loadu_ps(x32 + at);
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + at));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+static inline float int8_quantize_block(const float* x32, const uint16_t* x16, int64_t at, int8_t* out, int halves[2]) {
+  const __m512 low = int8_load_x16(x32, x16, at), high = int8_load_x16(x32, x16, at + 16);
+  const __m512i sign_off = _mm512_set1_epi32(0x7FFFFFFF);  // |v|, whose bits order as the values do
+  const uint32_t largest = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(low), sign_off),
+                                                                    _mm512_and_si512(_mm512_castps_si512(high), sign_off)));
+  float amax;
+  __builtin_memcpy(&amax, &largest, 4);
+  const float scale = amax / 127.0f;
+  if (!(scale > 0.0f)) {
+    __builtin_memset(out, 0, kActivationBlock);
+    halves[0] = halves[1] = 0;
+    return scale;
+  }
+  const __m512 divisor = _mm512_set1_ps(scale);
+  const __m512i q_low = _mm512_cvt_roundps_epi32(_mm512_div_ps(low, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i q_high = _mm512_cvt_roundps_epi32(_mm512_div_ps(high, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(q_low));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(q_high));
+  halves[0] = _mm512_reduce_add_epi32(q_low);
+  halves[1] = _mm512_reduce_add_epi32(q_high);
+  return scale;
+}
 #else
 // 16 values of x from float32 or from bf16 bits (plain vector loads: see quantized_matmul_body.h's `load`).
 static inline int8_vf16 int8_load_x(const float* x32, const uint16_t* x16, int64_t at) {
