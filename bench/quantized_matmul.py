@@ -1,8 +1,8 @@
 """One projection's matmul at decode sizes on the CPU, bf16 activations, in one process: the quantized kernels'
 float32 path (bf16 x converted, the float32 weights, float32 FMAs), their avx512_bf16 path (the dequantized
 tile rounded to bf16, bf16 dot products) and their int8-activation path (`matmul_int8`: x quantized to int8, integer
-dot products on the blocks' quants: AMX tiles and, beside them, AVX-512 VNNI where the CPU has them) against oneDNN's bf16 matmul of the unquantized weight (prepacked, as the
-engine's bf16 models run it, and plain `F.linear`).
+dot products on the blocks' quants; AMX tiles and, beside them, AVX-512 VNNI where the CPU has both) against oneDNN's
+bf16 matmul of the unquantized weight (prepacked, as the engine's bf16 models run it, and plain `F.linear`).
 
     python -m bench.quantized_matmul --shapes 1536x576 4096x2048 --tokens 1 4 16 --formats Q8_0 int8 Q4_1
 
@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     paths = [quantized_matmul.best_isa()] + (["avx512_bf16"] if quantized_matmul.has_avx512_bf16() else [])
     # AMX's tiles beside the VNNI body they replace, where the CPU has both
-    int8_paths = [quantized_matmul.int8_path()] + (["avx512_vnni"] if quantized_matmul.int8_path() == "amx_int8" else [])
+    auto_int8 = quantized_matmul.int8_path()
+    int8_paths = [auto_int8] + (["avx512_vnni"] if auto_int8 == "amx_int8" else [])
     print(f"CPU: {describe_machine('cpu')}; {torch.get_num_threads()} threads; kernel paths: {', '.join(paths)}; "
           f"int8 activations: {', '.join(int8_paths)}")
     generator = torch.Generator().manual_seed(0)

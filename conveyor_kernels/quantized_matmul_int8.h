@@ -92,8 +92,9 @@ static inline __m512 int8_load_x16(const float* x32, const uint16_t* x16, int64_
 static inline float int8_quantize_block(const float* x32, const uint16_t* x16, int64_t at, int8_t* out, int halves[2]) {
   const __m512 low = int8_load_x16(x32, x16, at), high = int8_load_x16(x32, x16, at + 16);
   const __m512i sign_off = _mm512_set1_epi32(0x7FFFFFFF);  // |v|, whose bits order as the values do
-  const uint32_t largest = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(low), sign_off),
-                                                                    _mm512_and_si512(_mm512_castps_si512(high), sign_off)));
+  const __m512i magnitudes = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(low), sign_off),
+                                              _mm512_and_si512(_mm512_castps_si512(high), sign_off));
+  const uint32_t largest = _mm512_reduce_max_epu32(magnitudes);
   float amax;
   __builtin_memcpy(&amax, &largest, 4);
   const float scale = amax / 127.0f;
@@ -103,8 +104,9 @@ static inline float int8_quantize_block(const float* x32, const uint16_t* x16, i
     return scale;
   }
   const __m512 divisor = _mm512_set1_ps(scale);
-  const __m512i q_low = _mm512_cvt_roundps_epi32(_mm512_div_ps(low, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512i q_high = _mm512_cvt_roundps_epi32(_mm512_div_ps(high, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  constexpr int kNearestEven = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i q_low = _mm512_cvt_roundps_epi32(_mm512_div_ps(low, divisor), kNearestEven);
+  const __m512i q_high = _mm512_cvt_roundps_epi32(_mm512_div_ps(high, divisor), kNearestEven);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(q_low));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(q_high));
   halves[0] = _mm512_reduce_add_epi32(q_low);
@@ -380,10 +382,11 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
       const __m512 scale = _mm512_set1_ps(x.scales[(t0 + t) * xblocks + xb]);
       if constexpr (kMin) {
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(ds, scale), acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(m + s * kTileRows), _mm512_set1_ps(scaled_sums[(t0 + t) * sums_per_token]),
-                                 acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(m + s * kTileRows),
+                                 _mm512_set1_ps(scaled_sums[(t0 + t) * sums_per_token]), acc[t]);
       } else {  // the signed sum S - offset * sum(q), exactly, times d * scale: the AMX path's operations
-        const __m512i signed_dot = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(zero_point * sums[(t0 + t) * sums_per_token]));
+        const __m512i offsets = _mm512_set1_epi32(zero_point * sums[(t0 + t) * sums_per_token]);
+        const __m512i signed_dot = _mm512_sub_epi32(dot[t], offsets);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(signed_dot), _mm512_mul_ps(ds, scale), acc[t]);
       }
     }

@@ -221,9 +221,9 @@ def _int8_paths() -> list[str]:
 def test_int8_activations_match_the_quantized_product(case):
     """Against the float64 product of x's int8 quants times their scales and the dequantized weights
     (matmul_int8_reference), on every path, 1, 6, 15 and 35 tokens (every pass size: 8 or 4, then 4, 3, 2, 1; AMX's
-    groups: fewer than 16, two of 16 and a rest), float32 and bf16 x. Every integer sum is exact, so the two differ by a few float32 roundings of each sub-block's term:
-    1e-5 of the sum of the products' magnitudes. A quant rounded differently moves a term by a whole quant step
-    (1/127 of its block's largest), far past that."""
+    groups: fewer than 16, two of 16 and a rest), float32 and bf16 x. Every integer sum is exact, so the two differ by
+    a few float32 roundings of each sub-block's term: 1e-5 of the sum of the products' magnitudes. A quant rounded
+    differently moves a term by a whole quant step (1/127 of its block's largest), far past that."""
     name, format_id, group, columns, weight = case
     dequantized = quantized_matmul.dequantize(weight, format_id, group, columns)
     packed = quantized_matmul.pack_int8(weight, format_id, group, columns)
