@@ -68,6 +68,9 @@ struct RowKernels {
 // int8 activations (quantized_matmul_int8.h): a step's tokens quantized per block of kActivationBlock values to
 // int8 quants with a float32 scale; and the sums of each 16 and 32 quants, as they are and times their block's scale.
 constexpr int64_t kActivationBlock = 32;
+// Steps of up to this many tokens prefetch a tile's weights two tiles ahead (the int8 bodies' int8_prefetch, the AMX
+// tiles): above it a tile takes so many passes that the lines would wait long in L1 beside the activations.
+constexpr int64_t kPrefetchTokens = 32;
 
 struct Int8Activations {
   const int8_t* quants;         // [tokens, columns]

@@ -9,11 +9,11 @@
 // Why the tiles' products go through memory: every sub-block has its own scales (the weights' d per row, the
 // activations' per token), so its int32 sums are converted and scaled on their own: a stored C tile, then an
 // epilogue of AVX-512 vectors, float(S) * (d * scale) (+ m * scale * sum(q)) per token and sub-block in sub-block
-// order. The VNNI body does the same operations on the same integers, so a token's outputs are the same bit for bit
-// whichever of the two runs its step (steps of fewer than kAmxFromTokens go to VNNI) and whatever the step's other
-// tokens (tests/kernels/test_quantized_matmul.py checks it). The cost on tiles is that epilogue and the tile loads
-// and stores, not the products: one 1536 x 576 Q8_0 matmul of 64 tokens 0.28 ms against VNNI's 0.36 and oneDNN
-// bf16's 0.23 on AMX; 16 tokens, which stream the weights from memory, 0.11 against 0.13 and 0.18.
+// order (quantized_matmul_int8_scale.h). The VNNI body adds the same integers with it, so a token's outputs are the
+// same bit for bit whichever of the two runs its step (steps of fewer than kAmxFromTokens go to VNNI) and whatever
+// the step's other tokens (tests/kernels/test_quantized_matmul.py checks it). The cost on tiles is that epilogue and
+// the tile loads and stores, not the products: one 1536 x 576 Q8_0 matmul of 64 tokens 0.28 ms against VNNI's 0.36
+// and oneDNN bf16's 0.23 on AMX; 16 tokens, which stream the weights from memory, 0.11 against 0.13 and 0.18.
 #include <immintrin.h>
 
 #include "quantized_matmul.h"
@@ -22,13 +22,14 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,amx-tile,amx-int8")
 namespace quantized_matmul::isa_amx_int8 {
+#include "quantized_matmul_int8_scale.h"
+
 namespace {
 
 constexpr int kGroupTokens = 16;         // an A tile's rows: the tokens one tile product multiplies
 constexpr int64_t kChunkColumns = 256;   // a tile's columns taken at a time: their products, 8-16 KiB, stay in L1
 constexpr int kMaxChunkSubs = kChunkColumns / 16;
 constexpr int kProductsPerSub = kGroupTokens * kTileRows;  // int32 sums a stored C tile holds
-constexpr int64_t kPrefetchTokens = 32;  // steps up to this many tokens prefetch the weights (as the VNNI body)
 // Steps of fewer tokens go to the VNNI body, whose operations are the same: a tile product's loads, stores and
 // configured rows cost as much for 1 token as for 16 (one 1536 x 576 Q8_0 matmul of 1 token 0.089 ms on tiles, 0.078
 // with VNNI; 10 tokens 0.096 / 0.104; 16 tokens 0.111 / 0.126, on a Xeon with AMX).
@@ -151,13 +152,10 @@ inline void scale_products(const int32_t* products, int first, const float* d, c
     const __m512 ds = _mm512_loadu_ps(d + s * kTileRows);
     const int32_t* sums = products + (s - s0) * kProductsPerSub + first * kTileRows;
     const int64_t xb = s * kSub / kActivationBlock;
-    for (int t = 0; t < MT; ++t) {
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + t * kTileRows));
-      acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ds, _mm512_set1_ps(scales[t * xblocks + xb])), acc[t]);
-      if constexpr (kMin)
-        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(m + s * kTileRows),
-                                 _mm512_set1_ps(scaled_sums[t * sums_per_token + s]), acc[t]);
-    }
+    for (int t = 0; t < MT; ++t)
+      acc[t] = int8_add_scaled_sums<kMin>(acc[t], _mm512_loadu_si512(sums + t * kTileRows), ds,
+                                          scales[t * xblocks + xb], kMin ? m + s * kTileRows : nullptr,
+                                          kMin ? scaled_sums[t * sums_per_token + s] : 0.0f);
   }
   for (int t = 0; t < MT; ++t) _mm512_mask_storeu_ps(out + (t0 + t) * ldo, mask, acc[t]);
 }

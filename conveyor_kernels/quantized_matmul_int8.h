@@ -320,16 +320,15 @@ static void pack_tile(const Format& format, const uint8_t* weight, int64_t row_b
 // (kPrefetch; the other passes are instantiated without it, where the distance's register spilled others: 1.06x the
 // time at 64 tokens) prefetches the lines two tiles on, which overlaps their reads with its work. One matmul over
 // SmolLM2's layer shapes, 30 layers' weights in turn, on the AVX2-only EPYC: Q8_0 0.86x-0.88x the time at 4 and 8
-// tokens, 0.94x at 16; Q4_1 0.90x and 0.94x. Above kPrefetchTokens a tile takes so many passes that the lines would
-// wait long in L1 beside the activations: none.
-constexpr int64_t kPrefetchTokens = 32;
-
+// tokens, 0.94x at 16; Q4_1 0.90x and 0.94x. Steps of more than kPrefetchTokens (quantized_matmul.h) prefetch none.
 template <bool kPrefetch>
 static inline void int8_prefetch(const uint8_t* line, int64_t ahead) {
   if constexpr (kPrefetch) __builtin_prefetch(line + ahead, 0, 3);
 }
 
 #ifdef INT8_VNNI
+#include "quantized_matmul_int8_scale.h"
+
 // acc + the dot products of w's unsigned bytes with the 4 signed bytes at x, broadcast to every lane: the broadcast
 // folded into the instruction (a {1to16} memory operand). GCC emitted a separate vpbroadcastd for each, as many
 // instructions again as the dot products themselves.
@@ -379,15 +378,13 @@ static inline void int8_micro(const uint8_t* quants, const float* d, const float
     const int32_t* sums = kSub == 32 ? x.sums32 + s : x.sums16 + s;
     const int64_t xb = k0 / kActivationBlock, sums_per_token = columns / kSub;
     for (int t = 0; t < MT; ++t) {
-      const __m512 scale = _mm512_set1_ps(x.scales[(t0 + t) * xblocks + xb]);
+      const float scale = x.scales[(t0 + t) * xblocks + xb];
       if constexpr (kMin) {
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(ds, scale), acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(m + s * kTileRows),
-                                 _mm512_set1_ps(scaled_sums[(t0 + t) * sums_per_token]), acc[t]);
-      } else {  // the signed sum S - offset * sum(q), exactly, times d * scale: the AMX path's operations
+        acc[t] = int8_add_scaled_sums<true>(acc[t], dot[t], ds, scale, m + s * kTileRows,
+                                            scaled_sums[(t0 + t) * sums_per_token]);
+      } else {  // the signed sum S - offset * sum(q), exactly
         const __m512i offsets = _mm512_set1_epi32(zero_point * sums[(t0 + t) * sums_per_token]);
-        const __m512i signed_dot = _mm512_sub_epi32(dot[t], offsets);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(signed_dot), _mm512_mul_ps(ds, scale), acc[t]);
+        acc[t] = int8_add_scaled_sums<false>(acc[t], _mm512_sub_epi32(dot[t], offsets), ds, scale, nullptr, 0.0f);
       }
     }
   }
